@@ -1,0 +1,26 @@
+"""Test setup: run Triton kernels through the interpreter on CPU and register the `gpu` / `slow` markers.
+TRITON_INTERPRET must be set before triton (or any kernel module) is imported, hence at the very top."""
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # flat repo: import model, ...
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
+    config.addinivalue_line("markers", "slow: long CPU test (runs by default; deselect with -m 'not slow')")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
