@@ -1,0 +1,197 @@
+"""A small GPT decoder whose attention is NSA (nsa_attention.py) or dense causal SDPA, chosen by GPTConfig.attn.
+Token embedding -> n_layer x (RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual) -> RMSNorm -> head.
+train.py trains it, sample.py samples from it, bench.py times its attention.
+"""
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nsa_attention import NSAAttention, positions, rope, tokens_read_per_query, _check_cu_seqlens
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 257          # byte tokenizer: 256 bytes + EOT
+    block_size: int = 1024         # longest training sequence
+    n_layer: int = 6
+    n_head: int = 8                # HQ, query heads
+    n_kv_head: int = 2             # H, key/value heads (GQA group G = n_head // n_kv_head)
+    n_embd: int = 512
+    mlp_hidden: int = 0            # SwiGLU hidden size; 0 -> 8/3 * n_embd rounded up to a multiple of 64
+    attn: str = "nsa"              # "nsa" | "dense"
+    tie_embeddings: bool = True
+    ignore_index: int = -1         # targets equal to this are left out of the loss
+    rope_theta: float = 10000.0
+    # NSA (SPEC.md): l, d, l', n, forced blocks, w, gate activation, phi's hidden size, kernel backend
+    cmp_block: int = 32
+    cmp_stride: int = 16
+    sel_block: int = 64
+    n_select: int = 16
+    n_init: int = 1
+    n_local: int = 2
+    window: int = 512
+    gate: str = "softmax"          # "softmax" | "sigmoid"
+    cmp_hidden: int = 256
+    backend: str = "auto"          # "auto" | "torch" | "triton"
+
+
+PRESETS = {  # small shapes for tests and smoke runs
+    "tiny": dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=256, cmp_block=8, cmp_stride=4,
+                 sel_block=16, n_select=4, window=32, cmp_hidden=32),
+    "small": dict(n_layer=4, n_head=8, n_kv_head=2, n_embd=256, block_size=1024, cmp_block=16, cmp_stride=8,
+                  sel_block=32, n_select=8, window=128, cmp_hidden=128),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class DenseAttention(nn.Module):
+    """Causal GQA attention through F.scaled_dot_product_attention: the baseline every NSA run is compared with."""
+
+    def __init__(self, config):
+        super().__init__()
+        C, HQ, H = config.n_embd, config.n_head, config.n_kv_head
+        if C % HQ or HQ % H:
+            raise ValueError(f"need n_embd % n_head == 0 and n_head % n_kv_head == 0, got n_embd={C}, "
+                             f"n_head={HQ}, n_kv_head={H}")
+        self.HQ, self.H, self.D, self.theta = HQ, H, C // HQ, config.rope_theta
+        self.wq = nn.Linear(C, HQ * self.D, bias=False)
+        self.wkv = nn.Linear(C, 2 * H * self.D, bias=False)
+        self.wo = nn.Linear(HQ * self.D, C, bias=False)
+
+    def forward(self, x, cu_seqlens=None):
+        B, T, C = x.shape
+        pos = positions(cu_seqlens, T, x.device)                               # (T,)
+        q = rope(self.wq(x).view(B, T, self.HQ, self.D), pos, self.theta)      # (B, T, HQ, D)
+        k, v = self.wkv(x).view(B, T, 2, self.H, self.D).unbind(2)             # (B, T, H, D) each
+        k = rope(k, pos, self.theta)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)      # (B, heads, T, D)
+        if cu_seqlens is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:  # block-diagonal causal mask: same sequence and not in the future
+            seq = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(T, device=x.device), right=True)
+            mask = (seq[:, None] == seq[None, :]) & torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.wo(o.transpose(1, 2).reshape(B, T, C))                     # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        hidden = config.mlp_hidden or 64 * math.ceil(8 * config.n_embd / 3 / 64)
+        self.w_in = nn.Linear(config.n_embd, 2 * hidden, bias=False)            # gate and up projections, fused
+        self.w_out = nn.Linear(hidden, config.n_embd, bias=False)
+
+    def forward(self, x):
+        a, b = self.w_in(x).chunk(2, dim=-1)
+        return self.w_out(F.silu(a) * b)                                        # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(config.n_embd), RMSNorm(config.n_embd)
+        self.attn = NSAAttention(config) if config.attn == "nsa" else DenseAttention(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cu_seqlens=None):
+        x = x + self.attn(self.norm1(x), cu_seqlens)
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if config.attn not in ("nsa", "dense"):
+            raise ValueError(f"attn must be 'nsa' or 'dense', got {config.attn!r}")
+        if not 0 < config.vocab_size <= 65536:
+            raise ValueError(f"vocab_size must be in [1, 65536] (uint16 tokens), got {config.vocab_size}")
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # residual projections scaled down with depth (GPT-2)
+            if name.endswith(("wo.weight", "w_out.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        for block in self.blocks:  # the NSA gate's last layer starts at zero (SPEC.md), whatever _init_weights did
+            if config.attn == "nsa":
+                nn.init.zeros_(block.attn.gate[-1].weight)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx, targets=None, cu_seqlens=None):
+        """idx (B, T) int64 token ids; targets (B, T) or None; cu_seqlens int32 (N + 1,) with B == 1.
+        Returns logits (B, T, vocab) and the mean cross-entropy over targets != ignore_index (or None)."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be (B, T), got {tuple(idx.shape)}")
+        B, T = idx.shape
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets must be (B, T) = {tuple(idx.shape)}, got {tuple(targets.shape)}")
+        _check_cu_seqlens(cu_seqlens, B, T, idx.device)
+        x = self.wte(idx)                                                      # (B, T, C)
+        for block in self.blocks:
+            x = block(x, cu_seqlens)
+        logits = self.lm_head(self.norm(x))                                    # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=self.config.ignore_index)
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW; matrices decay, norms, biases, embeddings (token and phi's position tables) do not."""
+        no_decay = lambda n, p: p.dim() < 2 or n.endswith(("wte.weight", "_pos"))
+        params = dict(self.named_parameters())  # tied head: one entry, named wte.weight
+        groups = [{"params": [p for n, p in params.items() if not no_decay(n, p)], "weight_decay": weight_decay},
+                  {"params": [p for n, p in params.items() if no_decay(n, p)], "weight_decay": 0.0}]
+        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **({"fused": True} if fused else {}))
+
+    def keys_per_query(self, T):
+        """Mean keys a query attends to at sequence length T: NSA counts what it really reads (SPEC.md)."""
+        c = self.config
+        if c.attn == "dense":
+            return (T + 1) / 2
+        return tokens_read_per_query(T, c.cmp_block, c.cmp_stride, c.sel_block, c.n_select, c.window)
+
+    def flops_per_token(self, T):
+        """Training FLOPs per token: 6 per weight plus attention's 2 matmuls (q.k and p.v) x 3 for fwd+bwd."""
+        c = self.config
+        attn = 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * self.keys_per_query(T)
+        return 6 * self.num_params() + attn
+
+    def estimate_mfu(self, tokens_per_iter, T, dt, peak_flops=None):
+        """Model FLOPs utilisation: achieved training FLOP/s over the device's bf16 peak (0 when unknown)."""
+        peak = peak_flops or peak_flops_of(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+        return self.flops_per_token(T) * tokens_per_iter / dt / peak if peak else 0.0
+
+
+def peak_flops_of(device_name):
+    """Dense bf16 tensor-core peak by device name (FLOP/s); 0 for unknown devices such as the CPU."""
+    table = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165e12}
+    return next((v for k, v in table.items() if k in device_name), 0.0)

@@ -1,0 +1,459 @@
+"""Native Sparse Attention (Yuan et al., arXiv 2502.11089): the pure-PyTorch reference of every op and the module.
+The four public ops (compressed_attention, select_blocks, selection_attention, window_attention) follow SPEC.md;
+backend="auto" runs the Triton kernels of sel_kernel.py on CUDA and this reference elsewhere. model.py uses NSAAttention.
+"""
+import importlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+BACKENDS = ("auto", "torch", "triton")
+KERNEL_MODULES = ("sel_kernel", "nsa_kernels")  # where backend="triton" looks for kernels
+QUERY_CHUNK = 128  # queries per step in the reference: keeps every score tensor at (chunk x keys), never T x T
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# input checks (eager only: under torch.compile the value checks that need the host are skipped)
+
+def _check_hparams(**values):
+    for name, value in values.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    l, d, lsel = values.get("cmp_block"), values.get("cmp_stride"), values.get("sel_block")
+    if l is not None and d is not None and l % d:
+        raise ValueError(f"cmp_stride must divide cmp_block, got cmp_block={l}, cmp_stride={d}")
+    if lsel is not None and d is not None and lsel % d:
+        raise ValueError(f"cmp_stride must divide sel_block, got sel_block={lsel}, cmp_stride={d}")
+    if l is not None and lsel is not None and l > lsel:
+        raise ValueError(f"cmp_block must be <= sel_block, got cmp_block={l}, sel_block={lsel}")
+
+
+def _check_qkv(q, k, v=None, names=("q", "k", "v")):
+    """q (B, T, HQ, D), k (B, Tk, H, D), v (B, Tk, H, Dv): ranks, matching dims, dtype, device, HQ % H == 0."""
+    if q.dim() != 4:
+        raise ValueError(f"{names[0]} must be (B, T, HQ, D), got {tuple(q.shape)}")
+    if k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"{names[1]} must be (B, Tk, H, D) with B={q.shape[0]}, D={q.shape[3]} from {names[0]}, "
+                         f"got {tuple(k.shape)}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"HQ={q.shape[2]} ({names[0]}) must be a multiple of H={k.shape[2]} ({names[1]})")
+    tensors = [(names[0], q), (names[1], k)]
+    if v is not None:
+        if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+            raise ValueError(f"{names[2]} must be (B, Tk, H, Dv) with (B, Tk, H)={tuple(k.shape[:3])}, "
+                             f"got {tuple(v.shape)}")
+        tensors.append((names[2], v))
+    for name, t in tensors:
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor, got {t.dtype}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must match {names[0]}'s dtype and device ({q.dtype}, {q.device}), "
+                             f"got ({t.dtype}, {t.device})")
+
+
+def _check_cu_seqlens(cu_seqlens, B, T, device, name="cu_seqlens"):
+    if cu_seqlens is None:
+        return
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D int32 tensor, got "
+                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} {tuple(getattr(cu_seqlens, 'shape', ()))}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"{name} must be on {device}, got {cu_seqlens.device}")
+    if B != 1:
+        raise ValueError(f"{name} needs packed input with B == 1, got B={B}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"{name} must hold at least 2 offsets (N + 1 for N sequences), got {cu_seqlens.numel()}")
+    if torch.compiler.is_compiling():
+        return
+    c = cu_seqlens.tolist()
+    if c[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {c[0]}")
+    if any(b < a for a, b in zip(c, c[1:])):
+        raise ValueError(f"{name} must be non-decreasing, got {c}")
+    if c[-1] != T:
+        raise ValueError(f"{name} must end at T={T}, got {c[-1]}")
+
+
+def _check_backend(backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _kernel(backend, x, name):
+    """The Triton function `name` (from sel_kernel.py or nsa_kernels.py) if this call should use it, else None.
+    auto: the kernel on CUDA when it exists; triton: the kernel or an error; torch: the reference."""
+    _check_backend(backend)
+    if backend == "torch" or (backend == "auto" and not x.is_cuda):
+        return None
+    for module in KERNEL_MODULES:
+        try:
+            fn = getattr(importlib.import_module(module), name, None)
+        except ImportError as e:
+            if backend == "triton":
+                raise ValueError(f"backend='triton' needs triton and {module}.py: {e}") from e
+            return None
+        if fn is not None:
+            return fn
+    if backend == "triton":
+        raise ValueError(f"backend='triton': no Triton {name} exists yet; use backend='torch' or 'auto'")
+    return None
+
+
+def num_cmp_blocks(T, cmp_block, cmp_stride):
+    """Tc: compressed blocks of a length-T sequence; block i covers raw positions [i*d, i*d + l)."""
+    return 0 if T < cmp_block else (T - cmp_block) // cmp_stride + 1
+
+
+def cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride):
+    """cu_seqlens of the compressed sequences: each packed sequence is compressed on its own."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()                           # (N,)
+    tc = torch.where(lens < cmp_block, 0, torch.div(lens - cmp_block, cmp_stride, rounding_mode="floor") + 1)
+    return F.pad(tc.cumsum(0), (1, 0)).to(torch.int32)                          # (N + 1,)
+
+
+def positions(cu_seqlens, T, device):
+    """Position of each packed token inside its own sequence: (T,) int64 (plain arange without cu_seqlens)."""
+    t = torch.arange(T, device=device)
+    if cu_seqlens is None:
+        return t
+    seq = torch.searchsorted(cu_seqlens[1:].long(), t, right=True)             # (T,) sequence id of each token
+    return t - cu_seqlens.long()[seq]
+
+
+def _segments(cu_seqlens, T):
+    """[(start, end)] of each packed sequence (one segment without cu_seqlens); host sync, reference only."""
+    if cu_seqlens is None:
+        return [(0, T)]
+    c = cu_seqlens.tolist()
+    return list(zip(c[:-1], c[1:]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the attention core shared by all three reference branches
+
+def _masked_attention(q, k, v, allowed, scale):
+    """Softmax attention of a chunk of queries over a slab of keys, GQA by head groups.
+    q (B, C, HQ, D), k (B, S, H, D), v (B, S, H, Dv), allowed bool (B or 1, C, H or 1, S).
+    Returns o (B, C, HQ, Dv) fp32+ and lse (B, C, HQ); a row with no allowed key gives o = 0, lse = -inf."""
+    B, C, HQ, D = q.shape
+    H, G = k.shape[2], HQ // k.shape[2]
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qh = q.to(dt).view(B, C, H, G, D).permute(0, 2, 1, 3, 4).reshape(B, H, C * G, D)   # (B, H, C*G, D)
+    kh, vh = k.to(dt).transpose(1, 2), v.to(dt).transpose(1, 2)              # (B, H, S, D), (B, H, S, Dv)
+    s = (qh @ kh.transpose(-1, -2) * scale).view(B, H, C, G, -1)               # (B, H, C, G, S)
+    mask = allowed.permute(0, 2, 1, 3)[:, :, :, None, :]                       # (B|1, H|1, C, 1, S)
+    # a finite fill (not -inf) keeps empty rows NaN-free in forward and backward; they are zeroed below
+    s = s.masked_fill(~mask, torch.finfo(dt).min)
+    lse = torch.logsumexp(s.detach(), dim=-1)                                  # (B, H, C, G)
+    p = torch.softmax(s, dim=-1)                                               # (B, H, C, G, S)
+    seen = mask.any(dim=-1)                                                    # (B|1, H|1, C, 1): row has a key
+    o = (p.view(B, H, C * G, -1) @ vh).view(B, H, C, G, -1) * seen[..., None]  # (B, H, C, G, Dv)
+    lse = torch.where(seen, lse, float("-inf"))
+    o = o.permute(0, 2, 1, 3, 4).reshape(B, C, HQ, -1)                        # (B, C, HQ, Dv)
+    return o, lse.permute(0, 2, 1, 3).reshape(B, C, HQ)
+
+
+def _chunked(T, step, *tensors):
+    """Run step(c0, c1, *tensors) -> (o, lse) over query chunks; with autograd on, each chunk is recomputed in the
+    backward (activation checkpointing), so memory stays at one chunk's scores."""
+    outs, lses = [], []
+    for c0 in range(0, T, QUERY_CHUNK):
+        c1 = min(T, c0 + QUERY_CHUNK)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            o, lse = checkpoint(step, c0, c1, *tensors, use_reentrant=False)
+        else:
+            o, lse = step(c0, c1, *tensors)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# compressed branch (paper Eq. 7 for phi, Eq. 5 for attention over compressed keys)
+
+def compress(x, pos_emb, phi, cmp_block, cmp_stride, cu_seqlens=None):
+    """Learnable compression: block i = x[i*d : i*d + l] (+ intra-block position embedding) -> phi -> one token.
+    x (B, T, H, D), pos_emb (l, D), phi: module mapping (..., l*D) -> (..., Dout).
+    Returns x_cmp (B, Tc, H, Dout) and cu_seqlens_cmp (None without cu_seqlens); sequences compress alone."""
+    B, T, H, D = x.shape
+    if cu_seqlens is None:
+        starts = torch.arange(num_cmp_blocks(T, cmp_block, cmp_stride), device=x.device) * cmp_stride   # (Tc,)
+        cu_cmp = None
+    else:
+        cu_cmp = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
+        starts = torch.cat([torch.arange(a, b - cmp_block + 1, cmp_stride, device=x.device)
+                            for a, b in _segments(cu_seqlens, T)] + [torch.zeros(0, dtype=torch.long, device=x.device)])
+    idx = starts[:, None] + torch.arange(cmp_block, device=x.device)           # (Tc, l) raw positions of each block
+    blocks = x[:, idx] + pos_emb[:, None, :].to(x.dtype)                       # (B, Tc, l, H, D)
+    blocks = blocks.permute(0, 1, 3, 2, 4).flatten(3)                          # (B, Tc, H, l*D)
+    return phi(blocks), cu_cmp                                                 # (B, Tc, H, Dout)
+
+
+def _compressed_ref(q, k_cmp, v_cmp, l, d, scale):
+    T, Tc = q.shape[1], k_cmp.shape[1]
+    last = torch.arange(Tc, device=q.device) * d + l - 1                       # (Tc,) last raw position of block i
+
+    def step(c0, c1, q, k_cmp, v_cmp):
+        t = torch.arange(c0, c1, device=q.device)                              # (C,)
+        allowed = (last[None, :] <= t[:, None])[None, :, None, :]              # (1, C, 1, Tc)
+        return _masked_attention(q[:, c0:c1], k_cmp, v_cmp, allowed, scale)
+
+    return _chunked(T, step, q, k_cmp, v_cmp)
+
+
+def compressed_attention(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale=None, cu_seqlens=None, cu_seqlens_cmp=None,
+                         backend="auto"):
+    """Attention over compressed tokens. q (B, T, HQ, D), k_cmp (B, Tc, H, D), v_cmp (B, Tc, H, Dv).
+    Query t sees block i iff i*d + l - 1 <= t. Returns o (B, T, HQ, Dv) in q's dtype and lse (B, T, HQ) fp32
+    (-inf, with o = 0, for a query that sees no block). lse carries no gradient."""
+    _check_qkv(q, k_cmp, v_cmp, ("q", "k_cmp", "v_cmp"))
+    _check_hparams(cmp_block=cmp_block, cmp_stride=cmp_stride)
+    B, T, HQ, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    _check_cu_seqlens(cu_seqlens, B, T, q.device)
+    if cu_seqlens is not None and cu_seqlens_cmp is None:
+        cu_seqlens_cmp = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
+    if cu_seqlens is None:
+        expect = num_cmp_blocks(T, cmp_block, cmp_stride)
+        if k_cmp.shape[1] > expect:
+            raise ValueError(f"k_cmp has {k_cmp.shape[1]} blocks but T={T} gives at most Tc={expect}")
+    else:
+        _check_cu_seqlens(cu_seqlens_cmp, B, k_cmp.shape[1], q.device, "cu_seqlens_cmp")
+        if cu_seqlens_cmp.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_cmp must have the shape of cu_seqlens {tuple(cu_seqlens.shape)}, "
+                             f"got {tuple(cu_seqlens_cmp.shape)}")
+    kernel = _kernel(backend, q, "compressed_attention_triton")
+    if kernel is not None:
+        return kernel(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, cu_seqlens, cu_seqlens_cmp)
+    outs = [_compressed_ref(q[:, a:b], k_cmp[:, ca:cb], v_cmp[:, ca:cb], cmp_block, cmp_stride, scale)
+            for (a, b), (ca, cb) in zip(_segments(cu_seqlens, T), _segments(cu_seqlens_cmp, k_cmp.shape[1]))]
+    o = torch.cat([o for o, _ in outs], dim=1).to(q.dtype)
+    lse = torch.cat([lse for _, lse in outs], dim=1).float()
+    return o, lse
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# block selection (Eq. 8-10 with SPEC.md's explicit indexing)
+
+def cmp_to_sel_weights(Tc, nb, cmp_block, cmp_stride, sel_block, device):
+    """Eq. 9: w(i, j) = |[i*d, i*d + l) ∩ [j*l', (j+1)*l')| / d, shape (Tc, nb) fp32 (1, 2, 2, 2, 1 by default)."""
+    s = torch.arange(Tc, device=device)[:, None] * cmp_stride                 # (Tc, 1) start of compressed block i
+    j = torch.arange(nb, device=device)[None, :] * sel_block                  # (1, nb) start of selection block j
+    overlap = torch.minimum(s + cmp_block, j + sel_block) - torch.maximum(s, j)
+    return overlap.clamp_min(0).float() / cmp_stride
+
+
+def _select_ref(q, k_cmp, l, d, lsel, n, n_init, n_local, scale):
+    B, T, HQ, D = q.shape
+    H, Tc = k_cmp.shape[2], k_cmp.shape[1]
+    nb = max(1, -(-T // lsel))                                                 # selection blocks in the sequence
+    W = cmp_to_sel_weights(Tc, nb, l, d, lsel, q.device)                      # (Tc, nb)
+    last = torch.arange(Tc, device=q.device) * d + l - 1                       # (Tc,)
+    j = torch.arange(max(nb, n), device=q.device)                              # (nbp,) candidates, padded to >= n
+    out = []
+    for c0 in range(0, T, QUERY_CHUNK):
+        c1 = min(T, c0 + QUERY_CHUNK)
+        t = torch.arange(c0, c1, device=q.device)                              # (C,)
+        allowed = (last[None, :] <= t[:, None])[None, :, None, :]              # (1, C, 1, Tc)
+        qg = q[:, c0:c1].float().view(B, c1 - c0, H, HQ // H, D)               # (B, C, H, G, D)
+        s = torch.einsum("bchgd,bshd->bchgs", qg, k_cmp.float()) * scale       # (B, C, H, G, Tc)
+        p = torch.softmax(s.masked_fill(~allowed[:, :, :, None], float("-inf")), dim=-1).nan_to_num(0.0)  # Eq. 8
+        score = p.sum(dim=3) @ W                                               # (B, C, H, nb)  Eq. 9 + Eq. 10
+        score = F.pad(score, (0, j.numel() - nb))                              # (B, C, H, nbp)
+        tb = (t // lsel)[:, None]                                              # (C, 1) block of the query itself
+        forced = (j < n_init) | ((j > tb - n_local) & (j <= tb))               # (C, nbp)
+        score = torch.where(forced[None, :, None], float("inf"), score)
+        score = torch.where((j <= tb)[None, :, None], score, float("-inf"))
+        top_score, top = torch.sort(score, dim=-1, descending=True, stable=True)  # ties -> lower j first
+        top = torch.where(top_score[..., :n] > float("-inf"), top[..., :n], -1)   # (B, C, H, n)
+        top = torch.sort(torch.where(top < 0, j.numel(), top), dim=-1).values  # ascending, padding last
+        out.append(torch.where(top == j.numel(), -1, top))
+    return torch.cat(out, dim=1).to(torch.int32)
+
+
+def select_blocks(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select, n_init=1, n_local=2, scale=None,
+                  cu_seqlens=None, cu_seqlens_cmp=None, backend="auto", lse=None):
+    """Top-n selection blocks per query and KV group. q (B, T, HQ, D), k_cmp (B, Tc, H, D); lse (B, T, HQ) fp32
+    from compressed_attention may be passed so a kernel need not recompute it (the reference ignores it).
+    Returns int32 (B, T, H, n_select): valid block ids ascending, then -1. No gradient."""
+    _check_qkv(q, k_cmp, None, ("q", "k_cmp"))
+    _check_hparams(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block, n_select=n_select)
+    if not (isinstance(n_init, int) and isinstance(n_local, int) and n_init >= 0 and n_local >= 0):
+        raise ValueError(f"n_init and n_local must be ints >= 0, got n_init={n_init!r}, n_local={n_local!r}")
+    if n_select < n_init + n_local:
+        raise ValueError(f"n_select must be >= n_init + n_local = {n_init + n_local}, got {n_select}")
+    B, T, HQ, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    _check_cu_seqlens(cu_seqlens, B, T, q.device)
+    if cu_seqlens is not None and cu_seqlens_cmp is None:
+        cu_seqlens_cmp = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
+    kernel = _kernel(backend, q, "select_blocks_triton")
+    if kernel is not None:
+        return kernel(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale,
+                      cu_seqlens, cu_seqlens_cmp, lse)
+    with torch.no_grad():
+        return torch.cat([_select_ref(q[:, a:b], k_cmp[:, ca:cb], cmp_block, cmp_stride, sel_block, n_select,
+                                      n_init, n_local, scale)
+                          for (a, b), (ca, cb) in zip(_segments(cu_seqlens, T),
+                                                      _segments(cu_seqlens_cmp, k_cmp.shape[1]))], dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# selected and sliding-window branches
+
+def _selection_ref(q, k, v, block_indices, lsel, scale):
+    T = q.shape[1]
+
+    def step(c0, c1, q, k, v):
+        t = torch.arange(c0, c1, device=q.device)                              # (C,)
+        nb = -(-c1 // lsel)                                                    # blocks that chunk can reach
+        idx = block_indices[:, c0:c1].long()                                   # (B, C, H, n)
+        ok = (idx >= 0) & (idx <= (t // lsel)[None, :, None, None])            # padding and future blocks ignored
+        chosen = torch.zeros(*idx.shape[:3], nb + 1, dtype=torch.bool, device=q.device)
+        chosen.scatter_(-1, torch.where(ok, idx, nb), True)                    # (B, C, H, nb + 1)
+        allowed = chosen[..., :nb].repeat_interleave(lsel, dim=-1)[..., :c1]   # (B, C, H, c1)
+        allowed = allowed & (torch.arange(c1, device=q.device)[None, :] <= t[:, None])[None, :, None]
+        return _masked_attention(q[:, c0:c1], k[:, :c1], v[:, :c1], allowed, scale)
+
+    return _chunked(T, step, q, k, v)[0]
+
+
+def selection_attention(q, k, v, block_indices, sel_block, scale=None, cu_seqlens=None, backend="auto"):
+    """Attention over the selected blocks. q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv),
+    block_indices int32 (B, T, H, n) (-1 = padding; ids outside [0, t // sel_block] are ignored like padding).
+    Keys after t inside a selected block are masked. Returns o (B, T, HQ, Dv) in q's dtype."""
+    _check_qkv(q, k, v)
+    _check_hparams(sel_block=sel_block)
+    B, T, HQ, D = q.shape
+    if k.shape[1] != T:
+        raise ValueError(f"k must have T={T} tokens like q, got {k.shape[1]}")
+    if not isinstance(block_indices, torch.Tensor) or block_indices.dtype != torch.int32:
+        raise ValueError(f"block_indices must be an int32 tensor, got {getattr(block_indices, 'dtype', block_indices)}")
+    if block_indices.dim() != 4 or block_indices.shape[:3] != (B, T, k.shape[2]):
+        raise ValueError(f"block_indices must be (B, T, H, n) = ({B}, {T}, {k.shape[2]}, n), "
+                         f"got {tuple(block_indices.shape)}")
+    if block_indices.device != q.device:
+        raise ValueError(f"block_indices must be on {q.device}, got {block_indices.device}")
+    scale = D ** -0.5 if scale is None else scale
+    _check_cu_seqlens(cu_seqlens, B, T, q.device)
+    kernel = _kernel(backend, q, "selection_attention_triton")
+    if kernel is not None:
+        return kernel(q, k, v, block_indices, sel_block, scale, cu_seqlens)
+    return torch.cat([_selection_ref(q[:, a:b], k[:, a:b], v[:, a:b], block_indices[:, a:b], sel_block, scale)
+                      for a, b in _segments(cu_seqlens, T)], dim=1).to(q.dtype)
+
+
+def _window_ref(q, k, v, w, scale):
+    T = q.shape[1]
+
+    def step(c0, c1, q, k, v):
+        k0 = max(0, c0 - w + 1)                                                # first key any query of the chunk sees
+        t = torch.arange(c0, c1, device=q.device)[:, None]                     # (C, 1)
+        u = torch.arange(k0, c1, device=q.device)[None, :]                     # (1, S)
+        allowed = ((u <= t) & (u > t - w))[None, :, None]                      # (1, C, 1, S)
+        return _masked_attention(q[:, c0:c1], k[:, k0:c1], v[:, k0:c1], allowed, scale)
+
+    return _chunked(T, step, q, k, v)[0]
+
+
+def window_attention(q, k, v, window, scale=None, cu_seqlens=None, backend="auto"):
+    """Sliding-window causal attention: query t sees keys max(0, t - window + 1) .. t.
+    q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv). Returns o (B, T, HQ, Dv) in q's dtype."""
+    _check_qkv(q, k, v)
+    _check_hparams(window=window)
+    B, T, HQ, D = q.shape
+    if k.shape[1] != T:
+        raise ValueError(f"k must have T={T} tokens like q, got {k.shape[1]}")
+    scale = D ** -0.5 if scale is None else scale
+    _check_cu_seqlens(cu_seqlens, B, T, q.device)
+    kernel = _kernel(backend, q, "window_attention_triton")
+    if kernel is not None:
+        return kernel(q, k, v, window, scale, cu_seqlens)
+    return torch.cat([_window_ref(q[:, a:b], k[:, a:b], v[:, a:b], window, scale)
+                      for a, b in _segments(cu_seqlens, T)], dim=1).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the module
+
+def rope(x, pos, theta):
+    """Rotary embedding (rotate-half form). x (B, T, H, D) with D even, pos (T,) int positions."""
+    D = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)   # (D/2,)
+    ang = pos.float()[:, None] * inv_freq[None, :]                             # (T, D/2)
+    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]        # (1, T, 1, D/2)
+    x1, x2 = x.float().chunk(2, dim=-1)                                        # (B, T, H, D/2) each
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class NSAAttention(nn.Module):
+    """NSA layer: shared queries, separate K/V per branch, compression MLP phi, gate MLP, three branches.
+    Reads from config: n_embd, n_head (HQ), n_kv_head (H), cmp_block, cmp_stride, sel_block, n_select, n_init,
+    n_local, window, gate ('softmax' | 'sigmoid'), rope_theta, cmp_hidden, backend."""
+
+    def __init__(self, config):
+        super().__init__()
+        C, HQ, H = config.n_embd, config.n_head, config.n_kv_head
+        if C % HQ or HQ % H:
+            raise ValueError(f"need n_embd % n_head == 0 and n_head % n_kv_head == 0, got n_embd={C}, "
+                             f"n_head={HQ}, n_kv_head={H}")
+        _check_hparams(cmp_block=config.cmp_block, cmp_stride=config.cmp_stride, sel_block=config.sel_block,
+                       n_select=config.n_select, window=config.window, cmp_hidden=config.cmp_hidden)
+        if config.n_select < config.n_init + config.n_local:
+            raise ValueError(f"n_select must be >= n_init + n_local, got {config.n_select}")
+        if config.gate not in ("softmax", "sigmoid"):
+            raise ValueError(f"gate must be 'softmax' or 'sigmoid', got {config.gate!r}")
+        _check_backend(config.backend)
+        self.cfg = config
+        self.HQ, self.H, self.D = HQ, H, C // HQ
+        if self.D % 2:
+            raise ValueError(f"head dim n_embd // n_head must be even for RoPE, got {self.D}")
+        l, D = config.cmp_block, self.D
+        self.wq = nn.Linear(C, HQ * D, bias=False)
+        self.wkv = nn.Linear(C, 6 * H * D, bias=False)  # k, v for each branch: cmp, slc, win (paper section 3.3.3)
+        self.k_pos = nn.Parameter(torch.zeros(l, D))    # intra-block position embedding of phi, keys
+        self.v_pos = nn.Parameter(torch.zeros(l, D))    # ... and values
+        self.k_phi = nn.Sequential(nn.Linear(l * D, config.cmp_hidden), nn.GELU(), nn.Linear(config.cmp_hidden, D))
+        self.v_phi = nn.Sequential(nn.Linear(l * D, config.cmp_hidden), nn.GELU(), nn.Linear(config.cmp_hidden, D))
+        self.gate = nn.Sequential(nn.Linear(C, C // 4 or 1), nn.SiLU(), nn.Linear(C // 4 or 1, HQ * 3))
+        nn.init.zeros_(self.gate[-1].weight)            # the gate starts as an even mix (SPEC.md)
+        nn.init.zeros_(self.gate[-1].bias)
+        self.wo = nn.Linear(HQ * D, C, bias=False)
+
+    def forward(self, x, cu_seqlens=None):
+        """x (B, T, C) -> (B, T, C). With cu_seqlens (B == 1), sequences are independent."""
+        cfg, HQ, H, D = self.cfg, self.HQ, self.H, self.D
+        B, T, C = x.shape
+        pos = positions(cu_seqlens, T, x.device)                               # (T,)
+        q = rope(self.wq(x).view(B, T, HQ, D), pos, cfg.rope_theta)            # (B, T, HQ, D)
+        k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = self.wkv(x).view(B, T, 6, H, D).unbind(2)  # each (B, T, H, D)
+        k_slc, k_win = rope(k_slc, pos, cfg.rope_theta), rope(k_win, pos, cfg.rope_theta)
+        # phi sees raw keys without RoPE; the compressed key then gets RoPE at its block's last position
+        # i*d + l - 1, the first query allowed to see it, so q . k_cmp depends on distance like the raw branches.
+        k_cmp, cu_cmp = compress(k_cmp, self.k_pos, self.k_phi, cfg.cmp_block, cfg.cmp_stride, cu_seqlens)
+        v_cmp, _ = compress(v_cmp, self.v_pos, self.v_phi, cfg.cmp_block, cfg.cmp_stride, cu_seqlens)
+        pos_cmp = positions(cu_cmp, k_cmp.shape[1], x.device) * cfg.cmp_stride + cfg.cmp_block - 1   # (Tc,)
+        k_cmp = rope(k_cmp, pos_cmp, cfg.rope_theta)                           # (B, Tc, H, D)
+        be = cfg.backend
+        o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride, cu_seqlens=cu_seqlens,
+                                        cu_seqlens_cmp=cu_cmp, backend=be)     # (B, T, HQ, D)
+        idx = select_blocks(q.detach(), k_cmp.detach(), cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_select,
+                            cfg.n_init, cfg.n_local, cu_seqlens=cu_seqlens, cu_seqlens_cmp=cu_cmp, backend=be, lse=lse)
+        o_slc = selection_attention(q, k_slc, v_slc, idx, cfg.sel_block, cu_seqlens=cu_seqlens, backend=be)
+        o_win = window_attention(q, k_win, v_win, cfg.window, cu_seqlens=cu_seqlens, backend=be)
+        g = self.gate(x).view(B, T, HQ, 3)                                     # (B, T, HQ, 3) gate logits
+        g = torch.softmax(g.float(), dim=-1) if cfg.gate == "softmax" else torch.sigmoid(g.float())
+        o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win   # (B, T, HQ, D)
+        return self.wo(o.to(x.dtype).reshape(B, T, HQ * D))
+
+
+def tokens_read_per_query(T, cmp_block, cmp_stride, sel_block, n_select, window):
+    """Mean keys a query reads over positions 0..T-1 (compressed + selected + window), per KV group (Table 4)."""
+    t = torch.arange(T, dtype=torch.float64)
+    cmp = torch.where(t + 1 < cmp_block, 0.0, torch.floor((t + 1 - cmp_block) / cmp_stride) + 1)
+    slc = torch.minimum(t + 1, torch.full_like(t, float(n_select * sel_block)))
+    win = torch.minimum(t + 1, torch.full_like(t, float(window)))
+    return float((cmp + slc + win).mean()) if T > 0 else 0.0
