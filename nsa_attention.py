@@ -139,20 +139,21 @@ def _masked_attention(q, k, v, allowed, scale):
     q (B, C, HQ, D), k (B, S, H, D), v (B, S, H, Dv), allowed bool (B or 1, C, H or 1, S).
     Returns o (B, C, HQ, Dv) fp32+ and lse (B, C, HQ); a row with no allowed key gives o = 0, lse = -inf."""
     B, C, HQ, D = q.shape
-    H, G = k.shape[2], HQ // k.shape[2]
+    S, H, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = HQ // H
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     qh = q.to(dt).view(B, C, H, G, D).permute(0, 2, 1, 3, 4).reshape(B, H, C * G, D)   # (B, H, C*G, D)
     kh, vh = k.to(dt).transpose(1, 2), v.to(dt).transpose(1, 2)              # (B, H, S, D), (B, H, S, Dv)
-    s = (qh @ kh.transpose(-1, -2) * scale).view(B, H, C, G, -1)               # (B, H, C, G, S)
+    s = (qh @ kh.transpose(-1, -2) * scale).view(B, H, C, G, S)                # (B, H, C, G, S)
     mask = allowed.permute(0, 2, 1, 3)[:, :, :, None, :]                       # (B|1, H|1, C, 1, S)
     # a finite fill (not -inf) keeps empty rows NaN-free in forward and backward; they are zeroed below
     s = s.masked_fill(~mask, torch.finfo(dt).min)
     lse = torch.logsumexp(s.detach(), dim=-1)                                  # (B, H, C, G)
     p = torch.softmax(s, dim=-1)                                               # (B, H, C, G, S)
     seen = mask.any(dim=-1)                                                    # (B|1, H|1, C, 1): row has a key
-    o = (p.view(B, H, C * G, -1) @ vh).view(B, H, C, G, -1) * seen[..., None]  # (B, H, C, G, Dv)
+    o = (p.view(B, H, C * G, S) @ vh).view(B, H, C, G, Dv) * seen[..., None]  # (B, H, C, G, Dv)
     lse = torch.where(seen, lse, float("-inf"))
-    o = o.permute(0, 2, 1, 3, 4).reshape(B, C, HQ, -1)                        # (B, C, HQ, Dv)
+    o = o.permute(0, 2, 1, 3, 4).reshape(B, C, HQ, Dv)                        # (B, C, HQ, Dv)
     return o, lse.permute(0, 2, 1, 3).reshape(B, C, HQ)
 
 
@@ -160,7 +161,7 @@ def _chunked(T, step, *tensors):
     """Run step(c0, c1, *tensors) -> (o, lse) over query chunks; with autograd on, each chunk is recomputed in the
     backward (activation checkpointing), so memory stays at one chunk's scores."""
     outs, lses = [], []
-    for c0 in range(0, T, QUERY_CHUNK):
+    for c0 in range(0, max(T, 1), QUERY_CHUNK):  # one empty chunk when T == 0
         c1 = min(T, c0 + QUERY_CHUNK)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             o, lse = checkpoint(step, c0, c1, *tensors, use_reentrant=False)
@@ -184,7 +185,7 @@ def compress(x, pos_emb, phi, cmp_block, cmp_stride, cu_seqlens=None):
         cu_cmp = None
     else:
         cu_cmp = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
-        starts = torch.cat([torch.arange(a, b - cmp_block + 1, cmp_stride, device=x.device)
+        starts = torch.cat([torch.arange(a, max(a, b - cmp_block + 1), cmp_stride, device=x.device)
                             for a, b in _segments(cu_seqlens, T)] + [torch.zeros(0, dtype=torch.long, device=x.device)])
     idx = starts[:, None] + torch.arange(cmp_block, device=x.device)           # (Tc, l) raw positions of each block
     blocks = x[:, idx] + pos_emb[:, None, :].to(x.dtype)                       # (B, Tc, l, H, D)
@@ -254,7 +255,7 @@ def _select_ref(q, k_cmp, l, d, lsel, n, n_init, n_local, scale):
     last = torch.arange(Tc, device=q.device) * d + l - 1                       # (Tc,)
     j = torch.arange(max(nb, n), device=q.device)                              # (nbp,) candidates, padded to >= n
     out = []
-    for c0 in range(0, T, QUERY_CHUNK):
+    for c0 in range(0, max(T, 1), QUERY_CHUNK):  # one empty chunk when T == 0
         c1 = min(T, c0 + QUERY_CHUNK)
         t = torch.arange(c0, c1, device=q.device)                              # (C,)
         allowed = (last[None, :] <= t[:, None])[None, :, None, :]              # (1, C, 1, Tc)
@@ -382,10 +383,11 @@ def window_attention(q, k, v, window, scale=None, cu_seqlens=None, backend="auto
 def rope(x, pos, theta):
     """Rotary embedding (rotate-half form). x (B, T, H, D) with D even, pos (T,) int positions."""
     D = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)   # (D/2,)
-    ang = pos.float()[:, None] * inv_freq[None, :]                             # (T, D/2)
+    dt = torch.promote_types(x.dtype, torch.float32)                           # fp32, or fp64 for gradcheck
+    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=dt) / D)   # (D/2,)
+    ang = pos.to(dt)[:, None] * inv_freq[None, :]                              # (T, D/2)
     cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]        # (1, T, 1, D/2)
-    x1, x2 = x.float().chunk(2, dim=-1)                                        # (B, T, H, D/2) each
+    x1, x2 = x.to(dt).chunk(2, dim=-1)                                         # (B, T, H, D/2) each
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -445,9 +447,82 @@ class NSAAttention(nn.Module):
         o_slc = selection_attention(q, k_slc, v_slc, idx, cfg.sel_block, cu_seqlens=cu_seqlens, backend=be)
         o_win = window_attention(q, k_win, v_win, cfg.window, cu_seqlens=cu_seqlens, backend=be)
         g = self.gate(x).view(B, T, HQ, 3)                                     # (B, T, HQ, 3) gate logits
-        g = torch.softmax(g.float(), dim=-1) if cfg.gate == "softmax" else torch.sigmoid(g.float())
+        g = g.to(torch.promote_types(g.dtype, torch.float32))                  # gate math in fp32 (fp64 in tests)
+        g = torch.softmax(g, dim=-1) if cfg.gate == "softmax" else torch.sigmoid(g)
         o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win   # (B, T, HQ, D)
         return self.wo(o.to(x.dtype).reshape(B, T, HQ * D))
+
+    # ---- decode (issue 7): cache, batched prefill, one-token step (decode section at the bottom) ----
+
+    def setup_cache(self, batch_size, max_len, device=None, dtype=None):
+        """Allocate this layer's static decode cache (nsa_cache) for batch_size rows of up to max_len tokens."""
+        w = self.wq.weight
+        self.kv_cache = nsa_cache(batch_size, max_len, self.HQ, self.H, self.D, self.cfg,
+                                  device or w.device, dtype or w.dtype)
+
+    def prefill(self, x, lengths):
+        """forward(x) for right-padded rows, filling the cache: x (B, T, C), row b holds tokens 0..lengths[b]-1.
+        The selection and compressed caches take positions 0..T-1 (slots past a row's length are rewritten by
+        decode before any query can see them); the rings take each row's own last positions. Returns (B, T, C)."""
+        c, cfg, H, D = getattr(self, "kv_cache", None), self.cfg, self.H, self.D
+        B, T, _ = x.shape
+        _check_cache_input(c, B, T, lengths)
+        out = self(x)
+        pos = torch.arange(T, device=x.device)                                 # (T,)
+        k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = self.wkv(x).view(B, T, 6, H, D).unbind(2)  # each (B, T, H, D)
+        k_slc, k_win = rope(k_slc, pos, cfg.rope_theta), rope(k_win, pos, cfg.rope_theta)
+        c.k_slc[:, :, :T], c.v_slc[:, :, :T] = k_slc.transpose(1, 2), v_slc.transpose(1, 2)
+        for ring, src in ((c.k_win, k_win), (c.v_win, v_win), (c.k_raw, k_cmp), (c.v_raw, v_cmp)):
+            held = ring_positions(lengths, ring.shape[2]).clamp_min(0)         # (B, W) position of each slot
+            ring.copy_(torch.gather(src, 1, held[:, :, None, None].expand(-1, -1, H, D)).transpose(1, 2))
+        kc, _ = compress(k_cmp, self.k_pos, self.k_phi, cfg.cmp_block, cfg.cmp_stride)   # (B, Tc, H, D)
+        vc, _ = compress(v_cmp, self.v_pos, self.v_phi, cfg.cmp_block, cfg.cmp_stride)
+        kc = rope(kc, torch.arange(kc.shape[1], device=x.device) * cfg.cmp_stride + cfg.cmp_block - 1, cfg.rope_theta)
+        c.k_cmp[:, :, :kc.shape[1]], c.v_cmp[:, :, :kc.shape[1]] = kc.transpose(1, 2), vc.transpose(1, 2)
+        return out
+
+    def decode(self, x, pos):
+        """One token per row: x (B, 1, C) at positions pos (B,) int64 (row b has pos[b] tokens cached). Writes the
+        token's K/V (and a compressed token when a block of l ends at pos), then select_blocks -> selection ->
+        window -> compressed -> gate. Returns (B, 1, C), forward()'s output at pos; kv_cache.reads (B, H, 3) counts
+        the tokens each KV group read per branch (compressed, selected, window)."""
+        c, cfg, HQ, H, D = self.kv_cache, self.cfg, self.HQ, self.H, self.D
+        l, d, th, scale = cfg.cmp_block, cfg.cmp_stride, cfg.rope_theta, D ** -0.5
+        B = x.shape[0]
+        rows = torch.arange(B, device=x.device)                                # (B,)
+        q = rope(self.wq(x).view(1, B, HQ, D), pos, th)[0]                     # (B, HQ, D): rows act as T for rope
+        k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = self.wkv(x[:, 0]).view(B, 6, H, D).unbind(1)  # each (B, H, D)
+        c.k_slc[rows, :, pos] = rope(k_slc[None], pos, th)[0]
+        c.v_slc[rows, :, pos] = v_slc
+        W = c.k_win.shape[2]
+        c.k_win[rows, :, pos % W] = rope(k_win[None], pos, th)[0]
+        c.v_win[rows, :, pos % W] = v_win
+        c.k_raw[rows, :, pos % l] = k_cmp
+        c.v_raw[rows, :, pos % l] = v_cmp
+        # a compressed token is emitted when pos closes block i = (pos + 1 - l) / d (SPEC.md "Compressed")
+        emit = (pos + 1 >= l) & ((pos + 1 - l) % d == 0)                       # (B,)
+        i = torch.div((pos + 1 - l).clamp_min(0), d, rounding_mode="floor")    # (B,)
+        ring = ((pos[:, None] - l + 1 + torch.arange(l, device=x.device)) % l)[:, None, :, None]   # (B, 1, l, 1)
+        for raw, pos_emb, phi, cache, use_rope in ((c.k_raw, self.k_pos, self.k_phi, c.k_cmp, True),
+                                                   (c.v_raw, self.v_pos, self.v_phi, c.v_cmp, False)):
+            block = torch.gather(raw, 2, ring.expand(B, H, l, D)) + pos_emb.to(raw.dtype)   # (B, H, l, D)
+            new = phi(block.flatten(2))                                        # (B, H, D)
+            new = rope(new[None], pos, th)[0] if use_rope else new             # RoPE at i*d + l - 1 = pos
+            cache[rows, :, i] = torch.where(emit[:, None, None], new, cache[rows, :, i])
+        o_cmp, p, n_cmp = decode_compressed(q, c.k_cmp, c.v_cmp, pos, l, d, scale)          # (B, HQ, D)
+        idx, score = decode_select(p, pos, l, d, cfg.sel_block, cfg.n_select, cfg.n_init, cfg.n_local,
+                                   c.sel_score.shape[-1])                      # (B, H, n), (B, H, nb)
+        o_slc, n_slc = decode_selection(q, c.k_slc, c.v_slc, idx, pos, cfg.sel_block, scale)
+        o_win, n_win = decode_window(q, c.k_win, c.v_win, pos, scale)
+        g = self.gate(x[:, 0]).view(B, HQ, 3)                                  # (B, HQ, 3) gate logits
+        g = g.to(torch.promote_types(g.dtype, torch.float32))
+        g = torch.softmax(g, dim=-1) if cfg.gate == "softmax" else torch.sigmoid(g)
+        o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win   # (B, HQ, D)
+        c.reads.copy_(torch.stack([n_cmp[:, None].expand(B, H), n_slc, n_win[:, None].expand(B, H)], dim=-1))
+        c.sel_idx.copy_(idx)
+        c.sel_score.copy_(score)
+        c.gate.copy_(g)
+        return self.wo(o.to(x.dtype).reshape(B, 1, HQ * D))
 
 
 def tokens_read_per_query(T, cmp_block, cmp_stride, sel_block, n_select, window):
@@ -457,3 +532,140 @@ def tokens_read_per_query(T, cmp_block, cmp_stride, sel_block, n_select, window)
     slc = torch.minimum(t + 1, torch.full_like(t, float(n_select * sel_block)))
     win = torch.minimum(t + 1, torch.full_like(t, float(window)))
     return float((cmp + slc + win).mean()) if T > 0 else 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decode (issue 7): the static cache and the branches of a one-token step (NSAAttention.prefill / .decode above).
+# Rows of a batch have their own lengths: prefill takes right-padded rows plus lengths (B,), a step takes pos (B,).
+# Every shape is fixed by (batch, max_len), and pos is a tensor, so the step compiles once and replays as a graph.
+
+class DecodeCache(nn.Module):
+    """Named zero buffers, left out of state_dict: the static decode cache of one attention layer."""
+
+    def __init__(self, device, **buffers):
+        super().__init__()
+        for name, (shape, dtype) in buffers.items():
+            self.register_buffer(name, torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+
+def nsa_cache(B, max_len, HQ, H, D, cfg, device, dtype):
+    """Decode cache of one NSA layer, all (B, H, slots, D) so a KV group's keys are contiguous:
+    k_slc/v_slc raw K/V of the selection branch (max_len slots); k_win/v_win the window branch's last W = min(w,
+    max_len) K/V in a ring (slot = position % W); k_raw/v_raw the last l inputs of phi (ring, slot = position % l);
+    k_cmp/v_cmp the compressed K/V (Tc(max_len) slots). What the last step did: reads (B, H, 3) tokens read per
+    KV group (compressed, selected, window), sel_idx (B, H, n), sel_score (B, H, nb) (Eq. 10), gate (B, HQ, 3)."""
+    f, i64 = dtype, torch.int64
+    tc = max(1, num_cmp_blocks(max_len, cfg.cmp_block, cfg.cmp_stride))
+    nb, W, l = -(-max_len // cfg.sel_block), min(cfg.window, max_len), cfg.cmp_block
+    return DecodeCache(device, k_slc=((B, H, max_len, D), f), v_slc=((B, H, max_len, D), f),
+                       k_win=((B, H, W, D), f), v_win=((B, H, W, D), f), k_raw=((B, H, l, D), f),
+                       v_raw=((B, H, l, D), f), k_cmp=((B, H, tc, D), f), v_cmp=((B, H, tc, D), f),
+                       reads=((B, H, 3), i64), sel_idx=((B, H, cfg.n_select), torch.int32),
+                       sel_score=((B, H, nb), torch.float32), gate=((B, HQ, 3), torch.float32))
+
+
+def _check_cache_input(cache, B, T, lengths):
+    """prefill's checks (eager): a cache exists for this batch and T, lengths (B,) int64 in [1, T]."""
+    if cache is None:
+        raise ValueError("no decode cache: call setup_cache(batch_size, max_len) first")
+    slots = cache.k_slc.shape[2] if hasattr(cache, "k_slc") else cache.k.shape[2]
+    if B != cache.reads.shape[0] or T > slots:
+        raise ValueError(f"x must be (B, T, C) with B={cache.reads.shape[0]} and T <= max_len={slots} of the cache, "
+                         f"got B={B}, T={T}")
+    if not isinstance(lengths, torch.Tensor) or lengths.shape != (B,) or lengths.dtype != torch.int64:
+        raise ValueError(f"lengths must be an int64 tensor of shape ({B},), got "
+                         f"{getattr(lengths, 'dtype', type(lengths))} {tuple(getattr(lengths, 'shape', ()))}")
+    if not torch.compiler.is_compiling() and (int(lengths.min()) < 1 or int(lengths.max()) > T):
+        raise ValueError(f"lengths must be in [1, T={T}], got {lengths.tolist()}")
+
+
+def ring_positions(length, size):
+    """Position held by each slot of a ring buffer (slot = position % size) once positions 0..length-1 were
+    written: length (B,) int64 -> (B, size) int64, negative for a slot never written."""
+    last = length[:, None] - 1                                                 # (B, 1)
+    return last - (last - torch.arange(size, device=length.device)) % size     # (B, size)
+
+
+def decode_attend(q, k, v, allowed, scale):
+    """One query per row and head against cached keys, GQA by groups. q (B, HQ, D), k (B, H, S, D), v (B, H, S, Dv),
+    allowed bool (B, H or 1, S). Returns o (B, HQ, Dv) in q's dtype and p (B, H, G, S) fp32, the softmax (0 where
+    not allowed); a row with no allowed key gets o = 0."""
+    B, HQ, D = q.shape
+    H, S = k.shape[1], k.shape[2]
+    s = (q.view(B, H, HQ // H, D) @ k.transpose(-1, -2)).float() * scale      # (B, H, G, S)
+    s = s.masked_fill(~allowed[:, :, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)                               # (B, H, G, S)
+    o = p.to(v.dtype) @ v                                                      # (B, H, G, Dv)
+    return o.reshape(B, HQ, v.shape[-1]).to(q.dtype), p
+
+
+def decode_compressed(q, k_cmp, v_cmp, pos, cmp_block, cmp_stride, scale):
+    """Compressed branch at one position per row (Eq. 5): block i is read iff i*d + l - 1 <= pos.
+    q (B, HQ, D), k_cmp (B, H, Tc, D), v_cmp (B, H, Tc, Dv), pos (B,) int64. Returns o (B, HQ, Dv),
+    p (B, H, G, Tc) fp32 (Eq. 8) and reads (B,): compressed tokens each KV group read."""
+    last = torch.arange(k_cmp.shape[2], device=q.device) * cmp_stride + cmp_block - 1   # (Tc,)
+    seen = last[None, :] <= pos[:, None]                                       # (B, Tc)
+    o, p = decode_attend(q, k_cmp, v_cmp, seen[:, None], scale)
+    return o, p, seen.sum(-1)
+
+
+def sel_block_weights(cmp_block, cmp_stride, sel_block):
+    """Eq. 9 as a strided filter: selection block j reads compressed blocks j*r - L + 1 + k (r = l'/d, L = l/d,
+    k = 0 .. r + L - 2) with weight w[k] = overlap / d; the columns of cmp_to_sel_weights. (r + L - 1,) fp32."""
+    L, r = cmp_block // cmp_stride, sel_block // cmp_stride
+    start = (torch.arange(r + L - 1) - (L - 1)) * cmp_stride                  # (K,) start of each compressed block
+    overlap = torch.clamp(start + cmp_block, max=sel_block) - start.clamp_min(0)
+    return overlap.clamp_min(0).float() / cmp_stride                           # (K,): 1, 2, 2, 2, 1 by default
+
+
+def decode_select(p, pos, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, num_blocks):
+    """select_blocks at one position per row, from the compressed branch's softmax p (B, H, G, Tc) fp32.
+    Returns block ids int32 (B, H, n) (valid ascending, then -1; SPEC.md "Selected") and the scores s (B, H,
+    num_blocks) fp32 of Eq. 10 before forcing."""
+    B, H, G, Tc = p.shape
+    L, r = cmp_block // cmp_stride, sel_block // cmp_stride
+    wt = sel_block_weights(cmp_block, cmp_stride, sel_block).to(p.device)     # (K,)
+    ps = p.sum(dim=2).reshape(B * H, 1, Tc)                                    # (B*H, 1, Tc) Eq. 10: group sum
+    ps = F.pad(ps, (L - 1, max(0, (num_blocks - 1) * r + wt.numel() - Tc - (L - 1))))
+    score = F.conv1d(ps, wt.view(1, 1, -1), stride=r)[..., :num_blocks].reshape(B, H, num_blocks)   # Eq. 9
+    nbp = max(num_blocks, n_select)
+    j = torch.arange(nbp, device=p.device)                                     # (nbp,) candidates, padded to >= n
+    tb = torch.div(pos, sel_block, rounding_mode="floor")[:, None]             # (B, 1) block of the query itself
+    forced = (j < n_init) | ((j > tb - n_local) & (j <= tb))                   # (B, nbp)
+    s = torch.where(forced[:, None], float("inf"), F.pad(score, (0, nbp - num_blocks)))
+    s = torch.where((j <= tb)[:, None], s, float("-inf"))                      # (B, H, nbp)
+    top_s, top = torch.sort(s, dim=-1, descending=True, stable=True)           # ties -> lower j first
+    top = torch.where(top_s[..., :n_select] > float("-inf"), top[..., :n_select], -1)   # (B, H, n)
+    top = torch.sort(torch.where(top < 0, nbp, top), dim=-1).values            # ascending, padding last
+    return torch.where(top == nbp, -1, top).to(torch.int32), score
+
+
+def decode_selection(q, k, v, block_ids, pos, sel_block, scale):
+    """Selected branch at one position per row: gathers the n blocks of each KV group from the raw cache.
+    k (B, H, S, D), v (B, H, S, Dv), block_ids int32 (B, H, n) (-1 = none); keys after pos are masked.
+    Returns o (B, HQ, Dv) and reads (B, H): tokens each KV group read."""
+    B, H, S, D = k.shape
+    ids = block_ids.long()
+    tok = ids.clamp_min(0)[..., None] * sel_block + torch.arange(sel_block, device=k.device)   # (B, H, n, l')
+    tok = tok.flatten(2)                                                       # (B, H, n*l')
+    allowed = (ids >= 0).repeat_interleave(sel_block, dim=-1) & (tok <= pos[:, None, None])   # (B, H, n*l')
+    tok = tok.clamp_max(S - 1)[..., None]                                      # (B, H, n*l', 1)
+    ks = torch.gather(k, 2, tok.expand(-1, -1, -1, D))                         # (B, H, n*l', D)
+    vs = torch.gather(v, 2, tok.expand(-1, -1, -1, v.shape[-1]))               # (B, H, n*l', Dv)
+    return decode_attend(q, ks, vs, allowed, scale)[0], allowed.sum(-1)
+
+
+def decode_window(q, k, v, pos, scale):
+    """Sliding-window branch at one position per row over the ring k (B, H, W, D), v (B, H, W, Dv) that already
+    holds position pos (slot = position % W, W = min(w, max_len)). Returns o (B, HQ, Dv) and reads (B,)."""
+    allowed = ring_positions(pos + 1, k.shape[2]) >= 0                         # (B, W)
+    return decode_attend(q, k, v, allowed[:, None], scale)[0], allowed.sum(-1)
+
+
+def decode_reads(S, cmp_block, cmp_stride, sel_block, n_select, window):
+    """SPEC.md "Decode reads" at context length S (positions 0..S-1, the step at S - 1) per KV group, assuming the
+    newest block is forced (n_local >= 1): (compressed, selected, window) = (Tc(S), all of S while it fits in n
+    blocks else n - 1 full blocks plus the partial newest one (<= n*l'), min(w, S))."""
+    nb = -(-S // sel_block)
+    slc = S if nb <= n_select else (n_select - 1) * sel_block + (S - 1) % sel_block + 1
+    return num_cmp_blocks(S, cmp_block, cmp_stride), slc, min(window, S)

@@ -1,0 +1,284 @@
+"""The PyTorch reference of NSA (nsa_attention.py) against SPEC.md: causality, Eq. 8-10 block selection checked
+against a per-token brute force, equivalences with dense attention, var-length packing, float64 gradcheck, errors."""
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nsa_attention as N
+from model import GPTConfig
+
+
+def rnd(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype)
+
+
+def dense_causal(q, k, v, scale=None):
+    """Plain causal GQA attention with an explicit mask: the ground truth for the equivalence tests."""
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       enable_gqa=True, scale=scale)
+    return o.transpose(1, 2)
+
+
+def brute_select(q, k_cmp, l, d, lsel, n, n_init, n_local):
+    """select_blocks for one sequence, one query and one KV group at a time, straight from SPEC.md."""
+    B, T, HQ, D = q.shape
+    Tc, H = k_cmp.shape[1], k_cmp.shape[2]
+    G = HQ // H
+    out = torch.full((B, T, H, n), -1, dtype=torch.int32)
+    for b in range(B):
+        for t in range(T):
+            vis = [i for i in range(Tc) if i * d + l - 1 <= t]
+            for h in range(H):
+                nblk = t // lsel + 1
+                score = [0.0] * nblk
+                for hq in range(h * G, (h + 1) * G):
+                    if not vis:
+                        continue
+                    s = torch.stack([q[b, t, hq].double() @ k_cmp[b, i, h].double() for i in vis]) / math.sqrt(D)
+                    p = torch.softmax(s, 0)                                               # Eq. 8
+                    for pi, i in zip(p.tolist(), vis):
+                        for j in range(nblk):                                             # Eq. 9
+                            ov = min(i * d + l, (j + 1) * lsel) - max(i * d, j * lsel)
+                            score[j] += max(ov, 0) / d * pi                               # Eq. 10: sum over group
+                forced = {j for j in range(nblk) if j < n_init or j > t // lsel - n_local}
+                rest = sorted((j for j in range(nblk) if j not in forced), key=lambda j: (-score[j], j))
+                chosen = sorted(list(forced) + rest[: max(0, n - len(forced))])[:n]
+                out[b, t, h, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- selection
+
+@pytest.mark.parametrize("l,d,lsel,expect", [(32, 16, 64, [1, 2, 2, 2, 1]), (16, 8, 32, [1, 2, 2, 2, 1]),
+                                             (16, 4, 16, [1, 2, 3, 4, 3, 2, 1]), (32, 32, 64, [1, 1])],
+                         ids=["default", "l16-d8-ls32", "l16-d4-ls16", "no-overlap"])
+def test_eq9_weights(l, d, lsel, expect):
+    W = N.cmp_to_sel_weights(64, 8, l, d, lsel, "cpu")                        # (Tc, nb)
+    col = W[:, 3]                                                              # an interior selection block
+    nz = col.nonzero().flatten().tolist()
+    assert col[nz].tolist() == expect
+    assert nz == list(range(nz[0], nz[0] + len(expect)))
+    assert torch.allclose(W.sum(1)[: (8 * lsel - l) // d], torch.full(((8 * lsel - l) // d,), l / d))
+
+
+@pytest.mark.parametrize("l,d,lsel,n,n_init,n_local,G,T", [
+    (8, 4, 16, 4, 1, 2, 2, 150), (16, 8, 32, 3, 1, 2, 3, 131), (8, 8, 8, 5, 2, 1, 1, 70), (4, 2, 8, 6, 0, 2, 4, 90)],
+    ids=["small", "G3-odd-T", "no-overlap", "no-init"])
+def test_select_blocks_matches_brute_force(l, d, lsel, n, n_init, n_local, G, T):
+    H, D = 2, 8
+    q = rnd(1, T, H * G, D, seed=1) * 2
+    k_cmp = rnd(1, N.num_cmp_blocks(T, l, d), H, D, seed=2)
+    got = N.select_blocks(q, k_cmp, l, d, lsel, n, n_init, n_local)
+    assert got.dtype == torch.int32 and got.shape == (1, T, H, n)
+    assert torch.equal(got, brute_select(q, k_cmp, l, d, lsel, n, n_init, n_local))
+
+
+def test_select_blocks_forced_padding_order_and_group_sum():
+    l, d, lsel, n, T, H, G, D = 8, 4, 16, 5, 200, 2, 4, 8
+    q, k_cmp = rnd(2, T, H * G, D, seed=3), rnd(2, N.num_cmp_blocks(T, l, d), H, D, seed=4)
+    idx = N.select_blocks(q, k_cmp, l, d, lsel, n)                             # n_init=1, n_local=2
+    for t in [0, 15, 16, 17, 47, 48, 100, 199]:
+        tb = t // lsel
+        for h in range(H):
+            row = idx[0, t, h].tolist()
+            valid = [j for j in row if j >= 0]
+            assert row == valid + [-1] * (n - len(valid))                      # valid first, then padding
+            assert valid == sorted(valid) and len(set(valid)) == len(valid)   # ascending, no duplicates
+            assert len(valid) == min(n, tb + 1) and max(valid) <= tb          # all candidates when fewer than n
+            assert 0 in valid and tb in valid and (tb < 1 or tb - 1 in valid)  # forced initial and 2 local
+    # Eq. 10: heads of a group share one index set, so permuting heads inside a group changes nothing
+    perm = torch.cat([torch.randperm(G, generator=torch.Generator().manual_seed(h)) + h * G for h in range(H)])
+    assert torch.equal(N.select_blocks(q[:, :, perm], k_cmp, l, d, lsel, n), idx)
+
+
+def test_select_blocks_ties_go_to_lower_block():
+    l, d, lsel, n, T = 8, 4, 16, 4, 160
+    q = torch.zeros(1, T, 2, 8)                                                # uniform p: interior blocks tie
+    idx = N.select_blocks(q, rnd(1, N.num_cmp_blocks(T, l, d), 1, 8, seed=5), l, d, lsel, n)
+    # t = 159 sits in block 9: forced {0, 8, 9}; blocks 1..7 tie (each fully covered), so block 1 wins
+    assert idx[0, T - 1, 0].tolist() == [0, 1, 8, 9]
+
+
+# ---------------------------------------------------------------------------------------------------- equivalences
+
+@pytest.mark.parametrize("T,G", [(1, 1), (37, 2), (130, 4), (200, 3)], ids=["T1", "T37-G2", "T130-G4", "T200-G3"])
+def test_selection_of_every_block_equals_dense(T, G):
+    lsel, H, D = 16, 2, 8
+    q, k, v = rnd(2, T, H * G, D, seed=6), rnd(2, T, H, D, seed=7), rnd(2, T, H, 12, seed=8)
+    nb = -(-T // lsel)
+    idx = torch.arange(nb, dtype=torch.int32).expand(2, T, H, nb).contiguous()  # future ids are ignored
+    torch.testing.assert_close(N.selection_attention(q, k, v, idx, lsel), dense_causal(q, k, v))
+
+
+@pytest.mark.parametrize("T,w", [(5, 8), (100, 100), (100, 512)], ids=["T<w", "T=w", "default-w"])
+def test_window_covering_everything_equals_dense(T, w):
+    q, k, v = rnd(1, T, 4, 8, seed=9), rnd(1, T, 2, 8, seed=10), rnd(1, T, 2, 8, seed=11)
+    torch.testing.assert_close(N.window_attention(q, k, v, w), dense_causal(q, k, v))
+
+
+def test_window_is_a_band():
+    T, w = 50, 7
+    q, k, v = rnd(1, T, 2, 4, seed=12), rnd(1, T, 1, 4, seed=13), rnd(1, T, 1, 4, seed=14)
+    s = torch.einsum("thd,ud->thu", q[0], k[0, :, 0]) / 2.0                   # (T, HQ, T)
+    t, u = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    s = s.masked_fill(~((u <= t) & (u > t - w))[:, None], float("-inf"))
+    expect = torch.einsum("thu,ud->thd", s.softmax(-1), v[0, :, 0])
+    torch.testing.assert_close(N.window_attention(q, k, v, w)[0], expect)
+
+
+def test_compressed_hand_computed():
+    # l = 4, d = 2, T = 7: blocks end at 3, 5 -> Tc = 2; queries 0..2 see none, 3..4 see block 0, 5..6 both.
+    q = torch.ones(1, 7, 1, 2)
+    k_cmp = torch.tensor([[[[0.0, 0.0]], [[math.sqrt(2) * math.log(3.0) / 2, math.sqrt(2) * math.log(3.0) / 2]]]])
+    v_cmp = torch.tensor([[[[1.0, 0.0]], [[0.0, 1.0]]]])                      # (1, Tc=2, 1, 2)
+    o, lse = N.compressed_attention(q, k_cmp, v_cmp, 4, 2)
+    # scores with scale 1/sqrt(2): block 0 -> 0, block 1 -> log 3, so p = (1/4, 3/4) once both are visible
+    expect = torch.tensor([[0, 0], [0, 0], [0, 0], [1, 0], [1, 0], [0.25, 0.75], [0.25, 0.75]])
+    torch.testing.assert_close(o[0, :, 0], expect)
+    torch.testing.assert_close(lse[0, :, 0], torch.tensor([float("-inf")] * 3 + [0.0, 0.0] + [math.log(4.0)] * 2))
+    assert lse.dtype == torch.float32
+
+
+def test_compress_blocks_and_varlen_offsets():
+    x = torch.arange(20.0).view(1, 20, 1, 1)                                   # value = position
+    phi = lambda blocks: blocks.sum(-1, keepdim=True)                          # (.., l*D) -> sum of the block
+    out, cu = N.compress(x, torch.zeros(4, 1), phi, 4, 2)
+    assert cu is None and out.shape == (1, 9, 1, 1)                            # Tc = (20 - 4) // 2 + 1
+    assert out.flatten().tolist() == [sum(range(2 * i, 2 * i + 4)) for i in range(9)]
+    cu_seqlens = torch.tensor([0, 3, 11, 20], dtype=torch.int32)               # lengths 3, 8, 9 -> Tc 0, 3, 3
+    out, cu = N.compress(x, torch.zeros(4, 1), phi, 4, 2, cu_seqlens)
+    assert cu.tolist() == [0, 0, 3, 6]
+    assert out.flatten().tolist() == [sum(range(s, s + 4)) for s in [3, 5, 7, 11, 13, 15]]
+
+
+# ---------------------------------------------------------------------------------------------------- causality
+
+def nsa_config(**kw):
+    base = dict(n_embd=32, n_head=4, n_kv_head=2, cmp_block=8, cmp_stride=4, sel_block=16, n_select=3, window=24,
+                cmp_hidden=16, backend="torch")
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def branches(q, k, v, cu_seqlens=None):
+    """Every public op on one set of inputs (compressed keys built from k by mean-pooling blocks)."""
+    l, d = 8, 4
+    pool = lambda blocks: blocks.unflatten(-1, (l, blocks.shape[-1] // l)).mean(-2)  # (.., l*D) -> (.., D)
+    k_cmp, cu_cmp = N.compress(k, torch.zeros(l, k.shape[-1]), pool, l, d, cu_seqlens)
+    v_cmp, _ = N.compress(v, torch.zeros(l, v.shape[-1]), pool, l, d, cu_seqlens)
+    o_cmp, lse = N.compressed_attention(q, k_cmp, v_cmp, l, d, cu_seqlens=cu_seqlens, cu_seqlens_cmp=cu_cmp)
+    idx = N.select_blocks(q, k_cmp, l, d, 16, 3, cu_seqlens=cu_seqlens, cu_seqlens_cmp=cu_cmp)
+    return {"cmp": o_cmp, "lse": lse, "idx": idx, "slc": N.selection_attention(q, k, v, idx, 16, cu_seqlens=cu_seqlens),
+            "win": N.window_attention(q, k, v, 24, cu_seqlens=cu_seqlens)}
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense-batch", "varlen"])
+def test_causality_of_every_branch_and_the_module(varlen):
+    T = 90
+    cu = torch.tensor([0, 37, 37, 90], dtype=torch.int32) if varlen else None
+    q, k, v = rnd(1, T, 4, 8, seed=15), rnd(1, T, 2, 8, seed=16), rnd(1, T, 2, 8, seed=17)
+    layer = N.NSAAttention(nsa_config())
+    torch.nn.init.normal_(layer.gate[-1].weight)
+    x = rnd(1, T, 32, seed=18)
+    base = branches(q, k, v, cu)
+    base["module"] = layer(x, cu)
+    for t in [0, 7, 15, 36, 37, 50, 88]:
+        bump = lambda a, s: torch.cat([a[:, : t + 1], a[:, t + 1:] + rnd(*a[:, t + 1:].shape, seed=s)], 1)
+        new = branches(bump(q, 19), bump(k, 20), bump(v, 21), cu)
+        new["module"] = layer(bump(x, 22), cu)
+        for name in base:
+            assert torch.equal(base[name][:, : t + 1], new[name][:, : t + 1]), (name, t)
+        assert not torch.equal(base["module"], new["module"])                 # the bump did reach the future
+
+
+# ---------------------------------------------------------------------------------------------------- var-length
+
+def test_varlen_packed_equals_each_sequence_alone():
+    lens = [5, 0, 40, 77]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    T = int(cu[-1])
+    q, k, v = rnd(1, T, 4, 8, seed=23), rnd(1, T, 2, 8, seed=24), rnd(1, T, 2, 8, seed=25)
+    packed = branches(q, k, v, cu)
+    layer = N.NSAAttention(nsa_config())
+    torch.nn.init.normal_(layer.gate[-1].weight)
+    x = rnd(1, T, 32, seed=26)
+    packed_module = layer(x, cu)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone = branches(q[:, a:b], k[:, a:b], v[:, a:b])
+        for name in alone:
+            torch.testing.assert_close(packed[name][:, a:b], alone[name], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(packed_module[:, a:b], layer(x[:, a:b]), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- gradients
+
+def test_gradcheck_each_branch_float64():
+    T, HQ, H, D = 21, 4, 2, 4
+    q, k, v = (rnd(1, T, h, D, dtype=torch.float64, seed=s).requires_grad_() for h, s in [(HQ, 27), (H, 28), (H, 29)])
+    idx = N.select_blocks(q.detach(), rnd(1, N.num_cmp_blocks(T, 4, 2), H, D, dtype=torch.float64, seed=30),
+                          4, 2, 8, 3)
+    kc, vc = (rnd(1, N.num_cmp_blocks(T, 4, 2), H, D, dtype=torch.float64, seed=s).requires_grad_() for s in (31, 32))
+    assert torch.autograd.gradcheck(lambda q, k, v: N.selection_attention(q, k, v, idx, 8), (q, k, v), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: N.window_attention(q, k, v, 5), (q, k, v), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: N.compressed_attention(q, k, v, 4, 2)[0], (q, kc, vc), fast_mode=True)
+
+
+@pytest.mark.parametrize("gate", ["softmax", "sigmoid"])
+def test_gradcheck_module_and_gate_float64(gate):
+    layer = N.NSAAttention(nsa_config(n_embd=16, n_head=2, n_kv_head=1, cmp_block=4, cmp_stride=2, sel_block=8,
+                                      n_select=3, window=6, cmp_hidden=8, gate=gate)).double()
+    torch.nn.init.normal_(layer.gate[-1].weight)
+    x = rnd(1, 19, 16, dtype=torch.float64, seed=33).requires_grad_()
+    assert torch.autograd.gradcheck(layer, (x,))
+    gate_w = layer.gate[-1].weight                                             # the gate's own parameters too
+    assert torch.autograd.gradcheck(lambda w: torch.func.functional_call(layer, {"gate.2.weight": w}, (x.detach(),)),
+                                    (gate_w.detach().clone().requires_grad_(),))
+
+
+def test_gate_starts_even_and_zero_initialised():
+    for gate, expect in [("softmax", 1 / 3), ("sigmoid", 0.5)]:
+        layer = N.NSAAttention(nsa_config(gate=gate))
+        assert torch.count_nonzero(layer.gate[-1].weight) == 0
+        g = layer.gate(rnd(1, 5, 32, seed=34)).view(1, 5, 4, 3)
+        act = g.softmax(-1) if gate == "softmax" else g.sigmoid()
+        torch.testing.assert_close(act, torch.full_like(act, expect))
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+
+def test_errors_name_the_argument():
+    q, k, v = rnd(1, 10, 4, 8), rnd(1, 10, 2, 8), rnd(1, 10, 2, 8)
+    idx = torch.zeros(1, 10, 2, 3, dtype=torch.int32)
+    cases = [
+        (lambda: N.window_attention(q[0], k, v, 4), "q must be"),
+        (lambda: N.window_attention(q, rnd(1, 10, 3, 8), rnd(1, 10, 3, 8), 4), "multiple of H"),
+        (lambda: N.window_attention(q, k, v.double(), 4), "v must match"),
+        (lambda: N.window_attention(q, k, rnd(1, 10, 1, 8), 4), "v must be"),
+        (lambda: N.window_attention(q, rnd(1, 10, 2, 6), v, 4), "k must be"),
+        (lambda: N.window_attention(q, k, v, 0), "window must be a positive int"),
+        (lambda: N.window_attention(q, k, v, 4, backend="cuda"), "backend must be"),
+        (lambda: N.selection_attention(q, k, v, idx.long(), 16), "block_indices must be an int32"),
+        (lambda: N.selection_attention(q, k, v, idx[:, :5], 16), "block_indices must be (B, T, H, n)"),
+        (lambda: N.select_blocks(q, k, 32, 12, 64, 4), "cmp_stride must divide cmp_block"),
+        (lambda: N.select_blocks(q, k, 32, 16, 40, 4), "cmp_stride must divide sel_block"),
+        (lambda: N.select_blocks(q, k, 64, 16, 32, 4), "cmp_block must be <= sel_block"),
+        (lambda: N.select_blocks(q, k, 32, 16, 64, 2), "n_select must be >= n_init + n_local"),
+        (lambda: N.compressed_attention(q, k, v, 4, 2), "k_cmp has 10 blocks"),
+        (lambda: N.window_attention(q, k, v, 4, cu_seqlens=torch.tensor([0, 10])), "cu_seqlens must be a 1-D int32"),
+        (lambda: N.window_attention(q, k, v, 4, cu_seqlens=torch.tensor([1, 10], dtype=torch.int32)), "start at 0"),
+        (lambda: N.window_attention(q, k, v, 4, cu_seqlens=torch.tensor([0, 6, 4, 10], dtype=torch.int32)),
+         "non-decreasing"),
+        (lambda: N.window_attention(q, k, v, 4, cu_seqlens=torch.tensor([0, 9], dtype=torch.int32)), "end at T=10"),
+        (lambda: N.window_attention(rnd(2, 10, 4, 8), rnd(2, 10, 2, 8), rnd(2, 10, 2, 8), 4,
+                                    cu_seqlens=torch.tensor([0, 10], dtype=torch.int32)), "B == 1"),
+        (lambda: N.NSAAttention(nsa_config(n_head=3)), "n_embd % n_head"),
+        (lambda: N.NSAAttention(nsa_config(gate="relu")), "gate must be"),
+        (lambda: N.NSAAttention(nsa_config(window=-1)), "window must be a positive int"),
+    ]
+    for fn, msg in cases:
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            fn()
