@@ -282,3 +282,23 @@ def test_errors_name_the_argument():
     for fn, msg in cases:
         with pytest.raises(ValueError, match=re.escape(msg)):
             fn()
+
+
+@pytest.mark.slow
+def test_long_sequence_rows_match_direct_computation():
+    """T = 8192 at the default l, d, l', n, w: spot rows of each branch against attention written out for that row."""
+    T, HQ, H, D = 8192, 4, 2, 16
+    q, k, v = rnd(1, T, HQ, D, seed=40), rnd(1, T, H, D, seed=41), rnd(1, T, H, D, seed=42)
+    k_cmp = rnd(1, N.num_cmp_blocks(T, 32, 16), H, D, seed=43)
+    idx = N.select_blocks(q, k_cmp, 32, 16, 64, 16)
+    o_slc, o_win = N.selection_attention(q, k, v, idx, 64), N.window_attention(q, k, v, 512)
+    o_cmp, _ = N.compressed_attention(q, k_cmp, k_cmp, 32, 16)
+    for t in [5000, T - 1]:
+        for hq in [0, HQ - 1]:
+            h = hq // (HQ // H)
+            keys = torch.cat([torch.arange(j * 64, min(j * 64 + 64, t + 1)) for j in idx[0, t, h].tolist() if j >= 0])
+            row = lambda kk, vv: torch.softmax(kk @ q[0, t, hq] / 4.0, 0) @ vv
+            torch.testing.assert_close(o_slc[0, t, hq], row(k[0, keys, h], v[0, keys, h]))
+            torch.testing.assert_close(o_win[0, t, hq], row(k[0, t - 511: t + 1, h], v[0, t - 511: t + 1, h]))
+            nc = (t + 1 - 32) // 16 + 1                                        # blocks ending at or before t
+            torch.testing.assert_close(o_cmp[0, t, hq], row(k_cmp[0, :nc, h], k_cmp[0, :nc, h]))
