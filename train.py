@@ -1,0 +1,496 @@
+"""Trains the GPT of model.py (NSA or dense attention) on the token shards of prepare_data.py, nanoGPT style.
+One process: `python train.py config/cpu_smoke.py`; DDP: `torchrun --nproc_per_node=2 train.py config/track_b_8k.py`.
+Writes out_dir/ckpt.pt (read by sample.py and init_from='resume'), train_log.csv, loss.png, model.safetensors."""
+import csv
+import functools
+import json
+import math
+import os
+import resource
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+
+import nsa_attention
+from model import GPT, GPTConfig
+from prepare_data import TokenShards
+
+# -----------------------------------------------------------------------------
+# default config values: byte-level Shakespeare, NSA, ~10M parameters (config/track_a_shakespeare.py)
+# I/O
+out_dir = "out"  # checkpoints, train_log.csv, loss.png, model.safetensors + config.json
+data_dir = "data/shakespeare_byte"  # written by prepare_data.py: train_*.bin, val_*.bin, meta.json
+init_from = "scratch"  # 'scratch' | 'resume' (continues out_dir/ckpt.pt bit for bit on the same device)
+eval_every = 250  # steps between evaluations of train/val loss
+eval_iters = 20  # batches per evaluation (the same batches every time, split over the ranks)
+log_every = 10  # steps between log lines / train_log.csv rows
+diag_every = 50  # steps between NSA statistics (gates, branch norms) from an extra eager forward; 0 = never
+save_every = 500  # steps between checkpoints (one is always written at the end, on STOP and on max_seconds)
+max_seconds = 0.0  # stop cleanly (with a checkpoint) after this many seconds of training; 0 = no limit
+eval_only = False  # evaluate once and exit
+export = True  # write model.safetensors + config.json at the end
+seed = 1337  # model init and the data stream; same seed, same device, same flags -> same run
+# data
+batch_size = 16  # sequences per micro-batch per rank
+block_size = 1024  # sequence length T
+gradient_accumulation_steps = 1  # micro-batches per optimizer step over all ranks (must divide by world size)
+doc_batches = False  # pack the batch as one (1, B*T) row with cu_seqlens: attention stops at document starts
+# model (GPTConfig; vocab_size comes from the data's meta.json)
+n_layer = 6  # transformer blocks
+n_head = 6  # query heads HQ
+n_kv_head = 2  # key/value heads H
+n_embd = 384  # model width
+mlp_hidden = 0  # SwiGLU hidden size; 0 = 8/3 * n_embd rounded up to a multiple of 64
+attn = "nsa"  # 'nsa' | 'dense'
+tie_embeddings = True  # lm_head shares the token embedding
+rope_theta = 10000.0  # RoPE base
+cmp_block = 16  # NSA l: compression block length
+cmp_stride = 8  # NSA d: compression stride
+sel_block = 32  # NSA l': selection block length
+n_select = 8  # NSA n: selected blocks per query (incl. the forced ones)
+n_init = 1  # forced initial blocks
+n_local = 2  # forced local blocks
+window = 128  # NSA w: sliding-window length
+gate = "softmax"  # 'softmax' | 'sigmoid' branch gate
+cmp_hidden = 128  # hidden size of the compression MLP phi
+backend = "auto"  # 'auto' (Triton on CUDA, reference elsewhere) | 'torch' | 'triton'
+# optimizer: AdamW, warmup then cosine decay
+learning_rate = 1e-3  # peak learning rate
+max_iters = 5000  # optimizer steps
+weight_decay = 0.1  # on matrices only (model.configure_optimizers)
+beta1 = 0.9  # AdamW beta1
+beta2 = 0.95  # AdamW beta2
+grad_clip = 1.0  # clip the global gradient norm to this; 0 = no clipping (the norm is still logged)
+decay_lr = True  # warmup + cosine; False = constant learning_rate
+warmup_iters = 100  # linear warmup steps
+lr_decay_iters = 5000  # cosine reaches min_lr here (usually = max_iters)
+min_lr = 1e-4  # learning rate after lr_decay_iters
+# system
+device = "auto"  # 'auto' (cuda if available) | 'cpu' | 'cuda' | 'cuda:1'
+dtype = "bfloat16"  # autocast dtype: 'bfloat16' | 'float16' (with GradScaler) | 'float32' (no autocast)
+compile = True  # torch.compile(model, dynamic=False, fullgraph=True) for training and eval
+activation_checkpointing = False  # recompute each block in the backward: less memory, ~1/3 more compute
+nan_at_step = -1  # testing only: make the loss NaN at this step to exercise the NaN guard; -1 = never
+# -----------------------------------------------------------------------------
+_config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
+config = {k: globals()[k] for k in _config_keys}  # what this run used, saved in the checkpoint
+if init_from not in ("scratch", "resume"):
+    raise ValueError(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
+if dtype not in ("bfloat16", "float16", "float32"):
+    raise ValueError(f"dtype must be 'bfloat16', 'float16' or 'float32', got {dtype!r}")
+if min(batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every, save_every) < 1:
+    raise ValueError("batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every and "
+                     "save_every must be >= 1")
+if doc_batches and compile and attn == "nsa":  # nsa_attention.compress() reads cu_seqlens on the host (.tolist())
+    raise ValueError("doc_batches=True with attn='nsa' needs compile=False: NSA's compress() syncs on cu_seqlens, "
+                     "which torch.compile(fullgraph=True) cannot trace")
+if doc_batches and batch_size * block_size >= 2**31:
+    raise ValueError(f"doc_batches needs batch_size * block_size < 2**31, got {batch_size * block_size}")
+
+# -----------------------------------------------------------------------------
+# DDP / device: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE; NCCL on CUDA, gloo on CPU
+if device == "auto":
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+ddp = int(os.environ.get("RANK", -1)) != -1
+if ddp:
+    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if device.startswith("cuda"):
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+else:
+    rank, local_rank, world = 0, 0, 1
+master = rank == 0  # logs, checkpoints, exports
+if gradient_accumulation_steps % world:
+    raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
+                     f"world size {world}")
+accum = gradient_accumulation_steps // world  # micro-batches per step on this rank
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+device_type = "cuda" if device.startswith("cuda") else "cpu"
+torch.manual_seed(seed)
+torch.backends.cuda.matmul.allow_tf32 = True
+torch.backends.cudnn.allow_tf32 = True
+ptdtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
+if master:
+    os.makedirs(out_dir, exist_ok=True)
+    print(f"{world} rank(s) on {device}, {dtype}; tokens per step: {tokens_per_iter:,} "
+          f"({gradient_accumulation_steps} micro-batches x {batch_size} x {block_size})")
+ckpt_path, log_path, stop_path = (os.path.join(out_dir, f) for f in ("ckpt.pt", "train_log.csv", "STOP"))
+
+# -----------------------------------------------------------------------------
+# data: one shared stream of batches (the same generator state on every rank); rank r takes every world-th batch,
+# so the global batch of a step does not depend on the number of ranks, and the generator state is the data position
+train_data, val_data = TokenShards(data_dir, "train"), TokenShards(data_dir, "val")
+meta = train_data.meta
+train_gen = torch.Generator().manual_seed(seed)
+
+
+def draw(data, gen):
+    """One micro-batch on the device: x, y (B, T) int64 and cu_seqlens None; or with doc_batches x, y (1, B*T)
+    and cu_seqlens int32 (N + 1,), under compile padded with empty sequences to a multiple of 32 entries (few shapes,
+    few recompiles; eager skips the padding, which costs the reference a loop step per empty sequence)."""
+    if not doc_batches:
+        x, y = data.random_batch(batch_size, block_size, gen)                  # (B, T), (B, T)
+        cu = None
+    else:
+        x, y, cu = data.doc_batch(batch_size, block_size, gen)                 # (1, B*T), (1, B*T), (N + 1,)
+        if compile:
+            cu = torch.cat([cu, cu[-1:].repeat(-len(cu) % 32)])                # (32k,) trailing empty sequences
+    if device_type == "cuda":
+        x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        cu = None if cu is None else cu.pin_memory().to(device, non_blocking=True)
+    else:
+        x, y, cu = x.to(device), y.to(device), None if cu is None else cu.to(device)
+    return x, y, cu
+
+
+def skip(data, gen):
+    """Advances the generator past one micro-batch of another rank."""
+    (data.doc_batch if doc_batches else data.random_batch)(batch_size, block_size, gen)
+
+
+def get_batch(data, gen):
+    """The next micro-batch of this rank: the ranks take turns over the shared stream."""
+    mine = None
+    for r in range(world):
+        if r == rank:
+            mine = draw(data, gen)
+        else:
+            skip(data, gen)
+    return mine
+
+
+# -----------------------------------------------------------------------------
+# model: from scratch or from out_dir/ckpt.pt (its architecture wins over the config's)
+model_keys = ["block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "attn", "tie_embeddings",
+              "rope_theta", "cmp_block", "cmp_stride", "sel_block", "n_select", "n_init", "n_local", "window", "gate",
+              "cmp_hidden", "backend"]
+model_args = dict(vocab_size=meta["vocab_size"], **{k: globals()[k] for k in model_keys})
+iter_num, best_val_loss, ckpt = 0, float("inf"), None
+if init_from == "resume":
+    if not os.path.exists(ckpt_path):
+        raise ValueError(f"init_from='resume' needs {ckpt_path}; train with init_from='scratch' first")
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)  # RNG states must stay CPU tensors
+    model_args.update({k: v for k, v in ckpt["model_args"].items() if k != "backend"})  # backend: this machine's
+    iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+model = GPT(GPTConfig(**model_args))
+if ckpt is not None:
+    model.load_state_dict(ckpt["model"])
+model.to(device)
+if activation_checkpointing:  # the block's own forward, recomputed in the backward; state_dict keys unchanged
+    for block in model.blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+if master:
+    print(f"{model.num_params() / 1e6:.2f}M parameters, attn={model_args['attn']}, "
+          f"{model.keys_per_query(block_size):.0f} keys read per query at T={block_size}")
+
+# -----------------------------------------------------------------------------
+# optimizer (fused AdamW on CUDA), GradScaler for float16, then compile and DDP wrap (raw_model stays uncompiled)
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
+if ckpt is not None:
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scaler.load_state_dict(ckpt["scaler"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    if device_type == "cuda" and ckpt["rng"]["cuda"]:
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    train_gen.set_state(ckpt["rng"]["data"])
+    ckpt = None  # free the memory
+raw_model = model
+if compile:
+    model = torch.compile(model, dynamic=False, fullgraph=True)
+if ddp:
+    model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+
+
+@torch.no_grad()
+def estimate_loss():
+    """Mean loss over the same eval_iters batches of each split every time (a fixed generator seed)."""
+    out = {}
+    model.eval()
+    for split, data in (("train", train_data), ("val", val_data)):
+        gen, total = torch.Generator().manual_seed(seed + 1), torch.zeros(2, device=device)  # (loss sum, batches)
+        for i in range(eval_iters):
+            if i % world == rank:
+                x, y, cu = draw(data, gen)
+                with ctx:
+                    total += torch.stack([model(x, y, cu)[1].float(), torch.ones((), device=device)])
+            else:
+                skip(data, gen)
+        if ddp:
+            dist.all_reduce(total)
+        out[split] = (total[0] / total[1]).item()
+    model.train()
+    return out
+
+
+def get_lr(it):
+    """Linear warmup for warmup_iters steps, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
+# -----------------------------------------------------------------------------
+# observability helpers (rank 0): NSA statistics, the CSV log, the loss plot, checkpoint and export
+
+BRANCHES = ("cmp", "slc", "win")
+
+
+@contextmanager
+def nsa_probe(nsa_model):
+    """Records, per layer, the gate values (B, T, HQ, 3) and each branch's output, during one eager forward:
+    a forward hook on block.attn.gate and wrappers of nsa_attention's three branch ops (restored on exit)."""
+    layers, hooks, saved = [], [], {}
+    for block in nsa_model.blocks:
+        hooks.append(block.attn.register_forward_pre_hook(lambda m, a: layers.append({"o": []})))
+        hooks.append(block.attn.gate.register_forward_hook(lambda m, a, g: layers[-1].update(g=g)))
+
+    def wrap(fn, first):
+        def recorder(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            layers[-1]["o"].append(out[0] if first else out)                   # (B, T, HQ, D)
+            return out
+        return recorder
+
+    for name, first in (("compressed_attention", True), ("selection_attention", False), ("window_attention", False)):
+        saved[name] = getattr(nsa_attention, name)
+        setattr(nsa_attention, name, wrap(saved[name], first))
+    try:
+        yield layers
+    finally:
+        for name, fn in saved.items():
+            setattr(nsa_attention, name, fn)
+        for h in hooks:
+            h.remove()
+
+
+@torch.no_grad()
+def nsa_stats(x, cu):
+    """Per layer and branch: gate mean/std over tokens and heads, and the branch's share of the gated output norm,
+    ||g_b * o_b|| / sum_b' ||g_b' * o_b'||. From an eager no-grad forward of raw_model on one micro-batch."""
+    stats = {}
+    with nsa_probe(raw_model) as layers, ctx:
+        raw_model(x, None, cu)
+    for i, rec in enumerate(layers):
+        B, T = x.shape
+        g = rec["g"].float().view(B, T, -1, 3)                                 # (B, T, HQ, 3) gate logits
+        g = torch.softmax(g, -1) if model_args["gate"] == "softmax" else torch.sigmoid(g)
+        norms = torch.stack([(g[..., b:b + 1] * o.float()).norm() for b, o in enumerate(rec["o"])])  # (3,)
+        for b, name in enumerate(BRANCHES):
+            stats[f"L{i}_gate_{name}_mean"] = g[..., b].mean().item()
+            stats[f"L{i}_gate_{name}_std"] = g[..., b].std().item()
+            stats[f"L{i}_share_{name}"] = (norms[b] / norms.sum()).item()
+    return stats
+
+
+def keys_per_query(cu):
+    """Mean keys a query reads in this batch: per packed sequence with cu_seqlens, else at T = block_size."""
+    if cu is None:
+        return raw_model.keys_per_query(block_size)
+    lens = (cu[1:] - cu[:-1]).tolist()
+    return sum(n * raw_model.keys_per_query(n) for n in lens if n) / sum(lens)
+
+
+log_fields = ["kind", "step", "loss", "val_loss", "val_ppl", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gib",
+              "keys_per_query"]
+if model_args["attn"] == "nsa":
+    log_fields += [f"L{i}_{s}_{b}{m}" for i in range(model_args["n_layer"]) for b in BRANCHES
+                   for s, m in (("gate", "_mean"), ("gate", "_std"), ("share", ""))]
+
+
+def log_row(**row):
+    """Appends one row to train_log.csv (rank 0); missing columns stay empty."""
+    new = not os.path.exists(log_path)
+    with open(log_path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=log_fields)
+        if new:
+            w.writeheader()
+        w.writerow(row)
+
+
+def plot_losses():
+    """loss.png: train and val loss against steps, from train_log.csv; skipped without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    with open(log_path) as f:
+        rows = list(csv.DictReader(f))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for kind, key, label in (("train", "loss", "train (per step)"), ("eval", "val_loss", "val")):
+        pts = [(int(r["step"]), float(r[key])) for r in rows if r["kind"] == kind and r[key]]
+        if pts:
+            ax.plot(*zip(*pts), label=label, marker="o" if kind == "eval" else None)
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{model_args['attn']}, T={block_size}")
+    ax.legend()
+    fig.tight_layout()
+    tmp = os.path.join(out_dir, "loss.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, os.path.join(out_dir, "loss.png"))
+
+
+def save_checkpoint():
+    """ckpt.pt, atomically: weights, optimizer, scaler, config, model args, step, RNG states and the data position."""
+    ckpt = dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                model_args=model_args, config=config, iter_num=iter_num, best_val_loss=best_val_loss,
+                tokenizer=meta["tokenizer"], eot=meta["eot"],
+                rng=dict(torch=torch.get_rng_state(), data=data_state,
+                         cuda=torch.cuda.get_rng_state_all() if device_type == "cuda" else []))
+    torch.save(ckpt, ckpt_path + ".tmp")
+    os.replace(ckpt_path + ".tmp", ckpt_path)
+    print(f"saved {ckpt_path} at step {iter_num}")
+    return iter_num
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+
+
+def export_safetensors():
+    """model.safetensors (written here, no library needed: 8-byte header length, JSON header, raw little-endian
+    tensors) + config.json. A tied lm_head.weight is left out (config.json says tie_embeddings)."""
+    tensors, header, offset = {}, {}, 0
+    for name, t in raw_model.state_dict().items():
+        if name == "lm_head.weight" and model_args["tie_embeddings"]:
+            continue
+        data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = dict(dtype=SAFETENSORS_DTYPES[t.dtype], shape=list(t.shape), data_offsets=[offset, offset + len(data)])
+        tensors[name], offset = data, offset + len(data)
+    header["__metadata__"] = dict(format="pt", source="nanoNSA train.py", step=str(iter_num))
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    path = os.path.join(out_dir, "model.safetensors")
+    with open(path + ".tmp", "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for data in tensors.values():
+            f.write(data)
+    os.replace(path + ".tmp", path)
+    cfg = dict(model_args, tokenizer=meta["tokenizer"], eot=meta["eot"], step=iter_num, architecture="nanoNSA GPT")
+    with open(os.path.join(out_dir, "config.json.tmp"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    os.replace(os.path.join(out_dir, "config.json.tmp"), os.path.join(out_dir, "config.json"))
+    print(f"exported {path} and config.json")
+
+
+def memory_gib():
+    if device_type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS (Linux reports KiB)
+
+
+# -----------------------------------------------------------------------------
+# training loop
+start_iter, resumed = iter_num, init_from == "resume"
+if master and not resumed and os.path.exists(log_path):
+    os.remove(log_path)  # a fresh run starts a fresh log
+if master and resumed and os.path.exists(log_path):  # drop rows a crashed run wrote after its last checkpoint
+    with open(log_path) as f:
+        rows = [r for r in csv.DictReader(f) if int(r["step"]) < start_iter or (r["kind"] == "eval"
+                                                                               and int(r["step"]) == start_iter)]
+    os.remove(log_path)
+    for r in rows:
+        log_row(**r)
+data_state = train_gen.get_state()  # the data position of the batch held in X (what a checkpoint saves)
+X, Y, CU = get_batch(train_data, train_gen)
+saved_step = start_iter if resumed else -1  # the step of the last good checkpoint on disk (-1: none yet)
+stop_reason, t_start, t_log, last_log_iter = "", time.time(), time.time(), iter_num
+while True:
+    lr = get_lr(iter_num) if decay_lr else learning_rate
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    if (iter_num % eval_every == 0 or iter_num >= max_iters or stop_reason) and not (resumed and iter_num == start_iter):
+        t_eval = time.time()
+        losses = estimate_loss()
+        t_log += time.time() - t_eval  # eval time is not training time
+        if master:
+            best_val_loss = min(best_val_loss, losses["val"])
+            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, "
+                  f"val ppl {math.exp(min(losses['val'], 50)):.2f}")
+            log_row(kind="eval", step=iter_num, loss=f"{losses['train']:.6f}", val_loss=f"{losses['val']:.6f}",
+                    val_ppl=f"{math.exp(min(losses['val'], 50)):.4f}", lr=lr)
+            plot_losses()
+    if eval_only:
+        break
+    if master and (stop_reason or iter_num >= max_iters or (iter_num % save_every == 0 and iter_num > start_iter)):
+        saved_step = save_checkpoint()
+    if stop_reason or iter_num >= max_iters:
+        break
+
+    # forward, backward, update: loss scaled by 1/accum, gradients all-reduced on the last micro-step only
+    X_first, CU_first = X, CU
+    loss_sum = torch.zeros((), device=device)
+    for micro_step in range(accum):
+        if ddp:
+            model.require_backward_grad_sync = micro_step == accum - 1
+        with ctx:
+            _, loss = model(X, Y, CU)
+            if iter_num == nan_at_step:
+                loss = loss * float("nan")
+            loss = loss / accum
+        loss_sum += loss.detach().float()
+        if micro_step == accum - 1:
+            data_state = train_gen.get_state()
+        X, Y, CU = get_batch(train_data, train_gen)  # fetch the next batch while the device works
+        scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    # one small all-reduce per step: the global mean loss, and rank 0's STOP / time-limit decision
+    stop_flag = master and (os.path.exists(stop_path) or 0 < max_seconds <= time.time() - t_start)
+    flags = torch.stack([loss_sum, torch.tensor(float(stop_flag), device=device)])
+    if ddp:
+        dist.all_reduce(flags)
+    loss_f = flags[0].item() / world
+    if not math.isfinite(loss_f):
+        if master:
+            have = f"{ckpt_path} (step {saved_step})" if saved_step >= 0 else "none written by this run"
+            print(f"error: loss is {loss_f} at step {iter_num} (lr {lr:.3g}, grad norm {grad_norm.item():.3g}); "
+                  f"stopped without updating the weights. Last good checkpoint: {have}. Try a lower learning_rate, "
+                  f"a longer warmup_iters, grad_clip > 0 or dtype='bfloat16'.", file=sys.stderr)
+        if ddp:
+            dist.destroy_process_group()
+        sys.exit(1)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+    diag_now = model_args["attn"] == "nsa" and diag_every > 0 and iter_num % diag_every == 0
+    if master and (iter_num % log_every == 0 or diag_now):
+        dt = (time.time() - t_log) / max(1, iter_num + 1 - last_log_iter)  # mean seconds per step since the last log
+        tok_s = tokens_per_iter / dt
+        mfu = raw_model.estimate_mfu(tokens_per_iter // world, block_size, dt)
+        row = dict(kind="train", step=iter_num, loss=f"{loss_f:.6f}", lr=f"{lr:.6g}", grad_norm=f"{grad_norm.item():.4f}",
+                   tokens_per_s=f"{tok_s:.1f}", mfu=f"{mfu:.4f}", mem_gib=f"{memory_gib():.3f}",
+                   keys_per_query=f"{keys_per_query(CU_first):.1f}")
+        if diag_now:
+            row.update({k: f"{v:.4f}" for k, v in nsa_stats(X_first, CU_first).items()})
+        log_row(**row)
+        print(f"step {iter_num}: loss {loss_f:.4f}, lr {lr:.3g}, grad norm {grad_norm.item():.3f}, "
+              f"{dt * 1000:.1f} ms/step, {tok_s:,.0f} tok/s, MFU {mfu * 100:.1f}%, mem {memory_gib():.2f} GiB")
+        t_log, last_log_iter = time.time(), iter_num + 1  # the next interval starts after logging and statistics
+    iter_num += 1
+    if flags[1].item() > 0:
+        stop_reason = "STOP file" if os.path.exists(stop_path) else f"max_seconds={max_seconds}"
+        if master:
+            print(f"stopping at step {iter_num}: {stop_reason}")
+            if os.path.exists(stop_path):
+                os.remove(stop_path)  # consumed, so that init_from='resume' does not stop at once
+
+if master and export and not eval_only:
+    export_safetensors()
+    plot_losses()
+if ddp:
+    dist.destroy_process_group()
