@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nsa_attention import NSAAttention, positions, rope, tokens_read_per_query, _check_cu_seqlens
+from nsa_attention import DecodeCache, _check_cache_input  # decode (issue 7)
 
 
 @dataclass
@@ -85,6 +86,39 @@ class DenseAttention(nn.Module):
             mask = (seq[:, None] == seq[None, :]) & torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(o.transpose(1, 2).reshape(B, T, C))                     # (B, T, C)
+
+    # ---- decode (issue 7): static K/V cache, batched prefill, one-token step (same API as NSAAttention) ----
+
+    def setup_cache(self, batch_size, max_len, device=None, dtype=None):
+        """Allocate a static K/V cache (B, H, max_len, D) for batch_size rows of up to max_len tokens."""
+        w = self.wq.weight
+        shape, dt = (batch_size, self.H, max_len, self.D), dtype or w.dtype
+        self.kv_cache = DecodeCache(device or w.device, k=(shape, dt), v=(shape, dt),
+                                    reads=((batch_size, self.H, 1), torch.int64))
+
+    def prefill(self, x, lengths):
+        """forward(x) for right-padded rows x (B, T, C) with lengths (B,); caches K/V of positions 0..T-1."""
+        c = getattr(self, "kv_cache", None)
+        B, T, C = x.shape
+        _check_cache_input(c, B, T, lengths)
+        k, v = self.wkv(x).view(B, T, 2, self.H, self.D).unbind(2)             # (B, T, H, D) each
+        c.k[:, :, :T] = rope(k, torch.arange(T, device=x.device), self.theta).transpose(1, 2)
+        c.v[:, :, :T] = v.transpose(1, 2)
+        return self(x)
+
+    def decode(self, x, pos):
+        """One token per row: x (B, 1, C) at positions pos (B,) int64 -> (B, 1, C); reads (B, H, 1) = pos + 1."""
+        c, B = self.kv_cache, x.shape[0]
+        rows = torch.arange(B, device=x.device)                                # (B,)
+        q = rope(self.wq(x).view(1, B, self.HQ, self.D), pos, self.theta)[0]   # (B, HQ, D)
+        k, v = self.wkv(x[:, 0]).view(B, 2, self.H, self.D).unbind(1)          # (B, H, D) each
+        c.k[rows, :, pos] = rope(k[None], pos, self.theta)[0]
+        c.v[rows, :, pos] = v
+        allowed = torch.arange(c.k.shape[2], device=x.device)[None, :] <= pos[:, None]   # (B, S)
+        o = F.scaled_dot_product_attention(q[:, :, None], c.k, c.v, attn_mask=allowed[:, None, None],
+                                           enable_gqa=True)                    # (B, HQ, 1, D)
+        c.reads.copy_(allowed.sum(-1)[:, None, None].expand(B, self.H, 1))
+        return self.wo(o.reshape(B, 1, self.HQ * self.D))
 
 
 class MLP(nn.Module):
@@ -189,6 +223,41 @@ class GPT(nn.Module):
         """Model FLOPs utilisation: achieved training FLOP/s over the device's bf16 peak (0 when unknown)."""
         peak = peak_flops or peak_flops_of(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
         return self.flops_per_token(T) * tokens_per_iter / dt / peak if peak else 0.0
+
+    # ---- decode (issue 7): sample.py's path; each attention layer keeps a static cache (attn.kv_cache) ----
+
+    def setup_cache(self, batch_size, max_len, device=None, dtype=None):
+        """Allocate every layer's decode cache for batch_size rows of up to max_len tokens (prompt + new)."""
+        if not (isinstance(batch_size, int) and batch_size > 0 and isinstance(max_len, int) and max_len > 0):
+            raise ValueError(f"batch_size and max_len must be positive ints, got {batch_size!r}, {max_len!r}")
+        for block in self.blocks:
+            block.attn.setup_cache(batch_size, max_len, device, dtype)
+
+    def prefill(self, idx, lengths):
+        """Batched prefill of ragged prompts: idx (B, T) right-padded, row b's prompt is idx[b, :lengths[b]].
+        Fills the caches and returns logits (B, T, vocab), equal to forward(idx)'s (padding never leaks into a
+        row's first lengths[b] positions: every branch is causal). Decode then goes on at pos = lengths."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be (B, T), got {tuple(idx.shape)}")
+        x = self.wte(idx)                                                      # (B, T, C)
+        for block in self.blocks:
+            x = x + block.attn.prefill(block.norm1(x), lengths)
+            x = x + block.mlp(block.norm2(x))
+        return self.lm_head(self.norm(x))                                      # (B, T, vocab)
+
+    def decode_step(self, idx, pos):
+        """One token per row: idx (B,) int64 at positions pos (B,) int64 -> logits (B, vocab) for position pos + 1.
+        Shapes are static and pos is a tensor, so torch.compile traces it once (mode="reduce-overhead" on CUDA)."""
+        x = self.wte(idx)[:, None]                                             # (B, 1, C)
+        for block in self.blocks:
+            x = x + block.attn.decode(block.norm1(x), pos)
+            x = x + block.mlp(block.norm2(x))
+        return self.lm_head(self.norm(x))[:, 0]                                # (B, vocab)
+
+    def decode_reads(self):
+        """Tokens the last decode step read, per layer, row, KV group and branch: (n_layer, B, H, 3) for NSA
+        (compressed, selected, window), (n_layer, B, H, 1) for dense."""
+        return torch.stack([block.attn.kv_cache.reads for block in self.blocks])
 
 
 def peak_flops_of(device_name):

@@ -144,7 +144,7 @@ def _masked_attention(q, k, v, allowed, scale):
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     qh = q.to(dt).view(B, C, H, G, D).permute(0, 2, 1, 3, 4).reshape(B, H, C * G, D)   # (B, H, C*G, D)
     kh, vh = k.to(dt).transpose(1, 2), v.to(dt).transpose(1, 2)              # (B, H, S, D), (B, H, S, Dv)
-    s = (qh @ kh.transpose(-1, -2) * scale).view(B, H, C, G, S)                # (B, H, C, G, S)
+    s = (qh @ kh.transpose(-1, -2)).to(dt).view(B, H, C, G, S) * scale              # (B, H, C, G, S)
     mask = allowed.permute(0, 2, 1, 3)[:, :, :, None, :]                       # (B|1, H|1, C, 1, S)
     # a finite fill (not -inf) keeps empty rows NaN-free in forward and backward; they are zeroed below
     s = s.masked_fill(~mask, torch.finfo(dt).min)
@@ -487,7 +487,7 @@ class NSAAttention(nn.Module):
         window -> compressed -> gate. Returns (B, 1, C), forward()'s output at pos; kv_cache.reads (B, H, 3) counts
         the tokens each KV group read per branch (compressed, selected, window)."""
         c, cfg, HQ, H, D = self.kv_cache, self.cfg, self.HQ, self.H, self.D
-        l, d, th, scale = cfg.cmp_block, cfg.cmp_stride, cfg.rope_theta, D ** -0.5
+        l, d, th = cfg.cmp_block, cfg.cmp_stride, cfg.rope_theta
         B = x.shape[0]
         rows = torch.arange(B, device=x.device)                                # (B,)
         q = rope(self.wq(x).view(1, B, HQ, D), pos, th)[0]                     # (B, HQ, D): rows act as T for rope
@@ -509,19 +509,10 @@ class NSAAttention(nn.Module):
             new = phi(block.flatten(2))                                        # (B, H, D)
             new = rope(new[None], pos, th)[0] if use_rope else new             # RoPE at i*d + l - 1 = pos
             cache[rows, :, i] = torch.where(emit[:, None, None], new, cache[rows, :, i])
-        o_cmp, p, n_cmp = decode_compressed(q, c.k_cmp, c.v_cmp, pos, l, d, scale)          # (B, HQ, D)
-        idx, score = decode_select(p, pos, l, d, cfg.sel_block, cfg.n_select, cfg.n_init, cfg.n_local,
-                                   c.sel_score.shape[-1])                      # (B, H, n), (B, H, nb)
-        o_slc, n_slc = decode_selection(q, c.k_slc, c.v_slc, idx, pos, cfg.sel_block, scale)
-        o_win, n_win = decode_window(q, c.k_win, c.v_win, pos, scale)
         g = self.gate(x[:, 0]).view(B, HQ, 3)                                  # (B, HQ, 3) gate logits
         g = g.to(torch.promote_types(g.dtype, torch.float32))
         g = torch.softmax(g, dim=-1) if cfg.gate == "softmax" else torch.sigmoid(g)
-        o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win   # (B, HQ, D)
-        c.reads.copy_(torch.stack([n_cmp[:, None].expand(B, H), n_slc, n_win[:, None].expand(B, H)], dim=-1))
-        c.sel_idx.copy_(idx)
-        c.sel_score.copy_(score)
-        c.gate.copy_(g)
+        o = decode_attention(q, c, pos, g, cfg)                                # (B, HQ, D)
         return self.wo(o.to(x.dtype).reshape(B, 1, HQ * D))
 
 
@@ -625,17 +616,20 @@ def decode_select(p, pos, cmp_block, cmp_stride, sel_block, n_select, n_init, n_
     B, H, G, Tc = p.shape
     L, r = cmp_block // cmp_stride, sel_block // cmp_stride
     wt = sel_block_weights(cmp_block, cmp_stride, sel_block).to(p.device)     # (K,)
-    ps = p.sum(dim=2).reshape(B * H, 1, Tc)                                    # (B*H, 1, Tc) Eq. 10: group sum
+    ps = p.sum(dim=2).reshape(B * H, Tc)                                       # (B*H, Tc) Eq. 10: group sum
     ps = F.pad(ps, (L - 1, max(0, (num_blocks - 1) * r + wt.numel() - Tc - (L - 1))))
-    score = F.conv1d(ps, wt.view(1, 1, -1), stride=r)[..., :num_blocks].reshape(B, H, num_blocks)   # Eq. 9
+    score = (ps.unfold(-1, wt.numel(), r)[:, :num_blocks] @ wt).reshape(B, H, num_blocks)   # Eq. 9
     nbp = max(num_blocks, n_select)
     j = torch.arange(nbp, device=p.device)                                     # (nbp,) candidates, padded to >= n
     tb = torch.div(pos, sel_block, rounding_mode="floor")[:, None]             # (B, 1) block of the query itself
     forced = (j < n_init) | ((j > tb - n_local) & (j <= tb))                   # (B, nbp)
-    s = torch.where(forced[:, None], float("inf"), F.pad(score, (0, nbp - num_blocks)))
-    s = torch.where((j <= tb)[:, None], s, float("-inf"))                      # (B, H, nbp)
-    top_s, top = torch.sort(s, dim=-1, descending=True, stable=True)           # ties -> lower j first
-    top = torch.where(top_s[..., :n_select] > float("-inf"), top[..., :n_select], -1)   # (B, H, n)
+    s = torch.where(forced[:, None], float("inf"), F.pad(score, (0, nbp - num_blocks)))   # (B, H, nbp)
+    # top-n with ties to the lower j, as one int64 key: the bits of a float >= 0 (or +inf) order like the float,
+    # the low 20 bits rank lower j higher; a block that is not a candidate (-inf) gets key -1
+    key = s.abs().view(torch.int32).long() * (1 << 20) + ((1 << 20) - 1 - j)  # (B, H, nbp); abs: -0.0 -> 0.0
+    key = torch.where((j <= tb)[:, None], key, -1)
+    top_key, top = torch.topk(key, n_select, dim=-1)                           # (B, H, n)
+    top = torch.where(top_key >= 0, top, -1)
     top = torch.sort(torch.where(top < 0, nbp, top), dim=-1).values            # ascending, padding last
     return torch.where(top == nbp, -1, top).to(torch.int32), score
 
@@ -660,6 +654,24 @@ def decode_window(q, k, v, pos, scale):
     holds position pos (slot = position % W, W = min(w, max_len)). Returns o (B, HQ, Dv) and reads (B,)."""
     allowed = ring_positions(pos + 1, k.shape[2]) >= 0                         # (B, W)
     return decode_attend(q, k, v, allowed[:, None], scale)[0], allowed.sum(-1)
+
+
+def decode_attention(q, cache, pos, g, cfg):
+    """The attention of one decode step over a filled nsa_cache: compressed -> select_blocks -> selection -> window,
+    mixed by the gate g (B, HQ, 3) fp32. q (B, HQ, D) with RoPE at pos (B,). Returns o (B, HQ, Dv) fp32 and stores
+    the step's reads, selected blocks, block scores and gate in the cache (counters, --plot_selection)."""
+    c, scale = cache, q.shape[-1] ** -0.5
+    B, H = c.reads.shape[:2]
+    o_cmp, p, n_cmp = decode_compressed(q, c.k_cmp, c.v_cmp, pos, cfg.cmp_block, cfg.cmp_stride, scale)  # (B, HQ, Dv)
+    idx, score = decode_select(p, pos, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_select, cfg.n_init,
+                               cfg.n_local, c.sel_score.shape[-1])             # (B, H, n), (B, H, nb)
+    o_slc, n_slc = decode_selection(q, c.k_slc, c.v_slc, idx, pos, cfg.sel_block, scale)
+    o_win, n_win = decode_window(q, c.k_win, c.v_win, pos, scale)
+    c.reads.copy_(torch.stack([n_cmp[:, None].expand(B, H), n_slc, n_win[:, None].expand(B, H)], dim=-1))
+    c.sel_idx.copy_(idx)
+    c.sel_score.copy_(score)
+    c.gate.copy_(g)
+    return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win    # (B, HQ, Dv)
 
 
 def decode_reads(S, cmp_block, cmp_stride, sel_block, n_select, window):

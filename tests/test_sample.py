@@ -1,0 +1,174 @@
+"""sample.py end to end on tiny checkpoints built here in train.py's formats (ckpt.pt with model_args/model/config, and
+model.safetensors + config.json): runs, is deterministic with a seed, greedy decode equals greedy full forwards,
+and missing/corrupt checkpoints, empty prompts and --plot_selection fail or work as documented."""
+import json
+import os
+import runpy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, PRESETS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLE = os.path.join(ROOT, "sample.py")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    """out_dir with a ckpt.pt of the tiny NSA preset (random weights, sharper attention), train.py's keys."""
+    d = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    args = dict(PRESETS["tiny"], vocab_size=257)
+    model = GPT(GPTConfig(**args))
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.wq.weight.mul_(4.0)
+            block.attn.wkv.weight.mul_(4.0)
+    torch.save(dict(model=model.state_dict(), model_args=args, iter_num=0,
+                    config=dict(dataset="shakespeare", data_dir=str(d / "no_data_here"))), d / "ckpt.pt")
+    return d
+
+
+def run_sample(monkeypatch, capsys, *args):
+    """Run sample.py in this process (as `python sample.py ARGS`) and return what it printed."""
+    monkeypatch.setattr(sys, "argv", ["sample.py", *args])
+    runpy.run_path(SAMPLE, run_name="__main__")
+    return capsys.readouterr().out
+
+
+def samples(out, n):
+    """The n printed samples (text before each separator line)."""
+    out = "".join(line for line in out.splitlines(True) if not line.startswith("Overriding"))
+    parts = out.split("---------------\n")
+    assert len(parts) == n + 1, out
+    return parts[:n]
+
+
+BASE = ["--device=cpu", "--dtype=float32", "--compile=False", "--num_samples=2", "--max_new_tokens=40"]
+
+
+def test_runs_and_is_deterministic_with_a_seed(monkeypatch, capsys, ckpt_dir):
+    a = run_sample(monkeypatch, capsys, f"--out_dir={ckpt_dir}", "--start=ROMEO:", "--seed=7", *BASE)
+    b = run_sample(monkeypatch, capsys, f"--out_dir={ckpt_dir}", "--start=ROMEO:", "--seed=7", *BASE)
+    c = run_sample(monkeypatch, capsys, f"--out_dir={ckpt_dir}", "--start=ROMEO:", "--seed=8", *BASE)
+    sa, sb, sc = samples(a, 2), samples(b, 2), samples(c, 2)
+    assert sa == sb
+    assert sa != sc
+    assert all(s.startswith("ROMEO:") for s in sa)
+    assert "tokens/s" in a and "2 x 40 tokens on cpu" in a
+
+
+def test_prompt_from_file_and_top_p(monkeypatch, capsys, ckpt_dir, tmp_path):
+    (tmp_path / "p.txt").write_text("To be, or not to be")
+    out = run_sample(monkeypatch, capsys, f"--out_dir={ckpt_dir}", f"--start=FILE:{tmp_path / 'p.txt'}",
+                     "--top_p=0.5", "--top_k=0", *BASE)
+    assert all(s.startswith("To be, or not to be") for s in samples(out, 2))
+
+
+def test_greedy_generate_equals_greedy_forward(monkeypatch, ckpt_dir):
+    # sample.generate (ragged prefill + cached steps) picks the same tokens as argmax over full forwards
+    monkeypatch.setattr(sys, "argv", ["sample.py"])
+    mod = runpy.run_path(SAMPLE)                                               # the functions, without main()
+    model, _ = mod["load_model"](str(ckpt_dir))
+    prompts = [[72, 105, 33, 10, 65], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    new, _ = mod["generate"](model, prompts, 30, temperature=0.0)
+    for b, p in enumerate(prompts):
+        seq = torch.tensor([p])
+        with torch.no_grad():
+            for _ in range(30):
+                seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert new[b].tolist() == seq[0, len(p):].tolist(), b
+
+
+def test_safetensors_export_loads(monkeypatch, capsys, ckpt_dir, tmp_path):
+    # train.py's export: model.safetensors without the tied lm_head.weight, config.json = model_args + tokenizer
+    ckpt = torch.load(ckpt_dir / "ckpt.pt", weights_only=True)
+    header, blobs, off = {}, [], 0
+    for name, t in ckpt["model"].items():
+        if name == "lm_head.weight":
+            continue
+        data = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = dict(dtype="F32", shape=list(t.shape), data_offsets=[off, off + len(data)])
+        blobs.append(data)
+        off += len(data)
+    head = json.dumps(header).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+    (tmp_path / "config.json").write_text(json.dumps(dict(ckpt["model_args"], tokenizer="byte")))
+    a = run_sample(monkeypatch, capsys, f"--out_dir={tmp_path}", "--start=Hi", "--seed=3", *BASE)
+    b = run_sample(monkeypatch, capsys, f"--out_dir={ckpt_dir}", "--start=Hi", "--seed=3", *BASE)
+    assert samples(a, 2) == samples(b, 2)
+
+
+def test_missing_corrupt_checkpoint_and_empty_prompt(monkeypatch, capsys, ckpt_dir, tmp_path):
+    with pytest.raises(ValueError, match="no checkpoint in out_dir"):
+        run_sample(monkeypatch, capsys, f"--out_dir={tmp_path / 'nothing'}", *BASE)
+    (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ValueError, match="not a readable checkpoint"):
+        run_sample(monkeypatch, capsys, f"--out_dir={tmp_path}", *BASE)
+    torch.save({"weights": {}}, tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="'model_args' and 'model'"):
+        run_sample(monkeypatch, capsys, f"--out_dir={tmp_path}", *BASE)
+    with pytest.raises(ValueError, match="is empty"):
+        run_sample(monkeypatch, capsys, f"--out_dir={ckpt_dir}", "--start=", *BASE)
+    with pytest.raises(ValueError, match="no such file"):
+        run_sample(monkeypatch, capsys, f"--out_dir={ckpt_dir}", f"--start=FILE:{tmp_path / 'none.txt'}", *BASE)
+
+
+def test_plot_selection(monkeypatch, capsys, ckpt_dir, tmp_path):
+    png = tmp_path / "sel.png"
+    args = [f"--out_dir={ckpt_dir}", f"--plot_selection={png}", "--plot_layer=1", "--plot_group=1", *BASE]
+    with pytest.raises(ValueError, match=r"plot_layer must be in \[0, 2\)"):
+        run_sample(monkeypatch, capsys, *args, "--plot_layer=2")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="needs matplotlib: pip install matplotlib"):
+            run_sample(monkeypatch, capsys, *args)
+        return
+    out = run_sample(monkeypatch, capsys, *args)
+    assert f"wrote {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_subprocess(ckpt_dir):
+    # the real command line, as a user runs it
+    r = subprocess.run([sys.executable, SAMPLE, f"--out_dir={ckpt_dir}", "--start=ab", "--max_new_tokens=5",
+                        "--num_samples=1", "--compile=False", "--device=cpu"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "1 x 5 tokens on cpu" in r.stdout
+
+
+@pytest.mark.slow
+def test_end_to_end_on_a_cpu_smoke_checkpoint(monkeypatch, capsys, tmp_path):
+    # train.py config/cpu_smoke.py for a few steps on a tiny corpus, then sample from its ckpt.pt and from its
+    # model.safetensors export: same samples (the tokenizer comes from the data dir's meta.json)
+    import numpy as np
+    from prepare_data import prepare
+    rng = np.random.default_rng(0)
+    words = "the king queen lord speaks to his her my good night day sweet love death fair sir".split()
+    (tmp_path / "c.txt").write_text("\n".join(" ".join(rng.choice(words, size=6)) for _ in range(300)) + "\n")
+    prepare(dataset="text", input=str(tmp_path / "c.txt"), out_dir=str(tmp_path / "data"), num_proc=1)
+    capsys.readouterr()                                                        # drop prepare's progress lines
+    out = tmp_path / "out"
+    cmd = [sys.executable, "train.py", "config/cpu_smoke.py", f"--data_dir={tmp_path / 'data'}", f"--out_dir={out}",
+           "--block_size=64", "--max_iters=4", "--lr_decay_iters=4", "--warmup_iters=1", "--eval_every=4",
+           "--eval_iters=1", "--save_every=4", "--diag_every=0"]
+    r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    args = [f"--out_dir={out}", "--start=the king", "--seed=5", *BASE]
+    a = samples(run_sample(monkeypatch, capsys, *args), 2)
+    os.remove(out / "ckpt.pt")                                                # now only the safetensors export
+    b = samples(run_sample(monkeypatch, capsys, *args), 2)
+    assert a == b and all(s.startswith("the king") for s in a)
