@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nsa_attention import NSAAttention, positions, rope, tokens_read_per_query, _check_cu_seqlens
+from nsa_attention import NSAAttention, check_heads, positions, rope, tokens_read_per_query, _check_cu_seqlens
 from nsa_attention import DecodeCache, _check_cache_input  # decode (issue 7)
 
 
@@ -63,10 +63,7 @@ class DenseAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        C, HQ, H = config.n_embd, config.n_head, config.n_kv_head
-        if C % HQ or HQ % H:
-            raise ValueError(f"need n_embd % n_head == 0 and n_head % n_kv_head == 0, got n_embd={C}, "
-                             f"n_head={HQ}, n_kv_head={H}")
+        C, HQ, H = check_heads(config)
         self.HQ, self.H, self.D, self.theta = HQ, H, C // HQ, config.rope_theta
         self.wq = nn.Linear(C, HQ * self.D, bias=False)
         self.wkv = nn.Linear(C, 2 * H * self.D, bias=False)

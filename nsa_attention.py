@@ -380,6 +380,15 @@ def window_attention(q, k, v, window, scale=None, cu_seqlens=None, backend="auto
 # ----------------------------------------------------------------------------------------------------------------
 # the module
 
+def check_heads(config):
+    """(n_embd, HQ, H) of a config, checked: heads split the width and KV heads divide the query heads."""
+    C, HQ, H = config.n_embd, config.n_head, config.n_kv_head
+    if HQ <= 0 or H <= 0 or C % HQ or HQ % H:
+        raise ValueError(f"need n_embd % n_head == 0 and n_head % n_kv_head == 0, got n_embd={C}, "
+                         f"n_head={HQ}, n_kv_head={H}")
+    return C, HQ, H
+
+
 def rope(x, pos, theta):
     """Rotary embedding (rotate-half form). x (B, T, H, D) with D even, pos (T,) int positions."""
     D = x.shape[-1]
@@ -398,10 +407,7 @@ class NSAAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        C, HQ, H = config.n_embd, config.n_head, config.n_kv_head
-        if C % HQ or HQ % H:
-            raise ValueError(f"need n_embd % n_head == 0 and n_head % n_kv_head == 0, got n_embd={C}, "
-                             f"n_head={HQ}, n_kv_head={H}")
+        C, HQ, H = check_heads(config)
         _check_hparams(cmp_block=config.cmp_block, cmp_stride=config.cmp_stride, sel_block=config.sel_block,
                        n_select=config.n_select, window=config.window, cmp_hidden=config.cmp_hidden)
         if config.n_select < config.n_init + config.n_local:

@@ -10,13 +10,7 @@ from model import GPT, GPTConfig, PRESETS
 TINY = dict(PRESETS["tiny"], backend="torch")  # l=8, d=4, l'=16, n=4, w=32
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Decode runs hundreds of tiny ops per step: one thread is several times faster than two on a busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def make_model(attn, seed=0, **over):
