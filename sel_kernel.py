@@ -1,0 +1,440 @@
+"""Triton kernels for NSA's selected-block attention (SPEC.md "Selected", paper Sec. 3.3.2 / 3.4): forward, dq, dk/dv,
+registered as torch.library ops nsa::sel_attn_fwd / nsa::sel_attn_bwd; nsa_attention.selection_attention (backend
+"auto" on CUDA, or "triton") calls selection_attention_triton; its PyTorch reference is what the tests compare to."""
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# Layout of the work (NT = all packed tokens, H kv heads, G = HQ / H query heads per kv head, l' = sel_block, n slots):
+# - forward and dq: query-centric. One program = BT consecutive tokens x the G heads of one kv group (a [BT*BG, D] Q
+#   tile, BG = G rounded up to a power of 2, BT*BG >= 16 so tl.dot has M >= 16); it walks the tokens' n slots and
+#   streams each selected key block once for the whole group (paper Fig. 3, group-centric loading).
+# - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
+#   builds the reverse index (which tokens selected each block, ascending) in O(NT*H*n) memory; each list is cut
+#   into chunks of CHUNK_ROWS query rows so block 0 (selected by every token) does not serialise the launch; each
+#   chunk writes an fp32 partial dK/dV tile and a reduction kernel adds a block's partials in chunk order. No atomics.
+# - ids are cleaned once on the host side (torch ops, no sync): out of [0, t // l'] or repeated -> -1.
+
+CHUNK_ROWS = 16384  # query rows (tokens x G) per dk/dv work item; scratch is (T*H*n*G / CHUNK_ROWS + blocks) tiles
+# launch parameters per kernel, measured on one H100 (see /work/notes/kernel_readme.md); bench.py may override
+# rows: query rows per program (tokens x BG, at least 16 for tl.dot), rounded to whole tokens; union: a tile of
+# several tokens loads a block listed by several of them once
+CONFIG = {
+    "fwd": dict(rows=16, union=False, num_warps=4, num_stages=2),
+    "dq": dict(rows=16, union=False, num_warps=2, num_stages=2),
+    "dkv": dict(rows=64, num_warps=4, num_stages=3),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# forward: o = softmax(scale * q k^T) v over the selected blocks, base-2 softmax, fp32 accumulate
+
+@triton.jit
+def _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT, H: tl.constexpr, BT: tl.constexpr,
+               BS: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
+    """Slot f = (token p, slot s) of a tile of BT tokens: its block id j, the sequence start, the rows that use the
+    block and the last key position any of them may read. Ids are pre-cleaned (valid, no repeats, else -1).
+    UNION: every row whose token also lists j uses it, so a block listed by several tokens of the tile is loaded
+    once (the union of their lists; a later listing gives no rows). Else only token p's rows (no reductions)."""
+    p = f // NS
+    s = f % NS
+    t_p = i_t * BT + p
+    m_p = t_p < NT
+    rel_p = tl.load(pos + t_p, mask=m_p, other=0)                           # position inside its sequence
+    j = tl.load(idx + (t_p.to(tl.int64) * H + i_h) * NS + s, mask=m_p, other=-1)
+    ok = m_p & (j >= 0) & (j <= rel_p // BS)                                # padding / future ids: no rows
+    if UNION:
+        o_s = tl.arange(0, BNS)
+        hit = (b_idx == j) & ((bos_r == t_p - rel_p) & (j <= rel_r // BS))[:, None]       # [M, BNS]
+        before = (p_r < p)[:, None] | ((p_r == p)[:, None] & (o_s < s)[None, :])
+        ok = ok & (tl.sum((hit & before).to(tl.int32)) == 0)
+        m_row = m_r & ok & (tl.sum(hit.to(tl.int32), 1) > 0)               # [M]
+        rel_max = tl.max(tl.where(m_row, rel_r, -1))
+    else:
+        m_row = m_r & ok & (p_r == p)
+        rel_max = tl.where(ok, rel_p, -1)
+    return j, t_p - rel_p, m_row, rel_max
+
+
+@triton.jit
+def _sel_fwd_kernel(q, k, v, o, lse, idx, pos, scale_log2, NT,
+                    H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                    D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                    BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    HQ: tl.constexpr = H * G
+    M: tl.constexpr = BT * BG
+    o_r = tl.arange(0, M)
+    p_r = o_r // BG                                       # token of each row inside the tile
+    g_r = o_r % BG                                        # head of each row inside the group
+    t_r = i_t * BT + p_r                                  # [M] global token
+    m_t = t_r < NT
+    m_r = m_t & (g_r < G)
+    t64 = t_r.to(tl.int64)
+    hq_r = i_h * G + g_r
+    rel_r = tl.load(pos + t_r, mask=m_t, other=0)                          # [M] positions inside the sequences
+    bos_r = t_r - rel_r                                                     # [M] sequence starts
+    o_d, o_dv, o_s, o_k = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BNS), tl.arange(0, BK)
+    b_q = tl.load(q + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :],
+                  mask=m_r[:, None] & (o_d < D)[None, :], other=0.)                         # [M, BD]
+    b_idx = tl.load(idx + (t64 * H + i_h)[:, None] * NS + o_s[None, :],
+                    mask=m_t[:, None] & (o_s < NS)[None, :], other=-1)                      # [M, BNS]
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, BDV], tl.float32)
+    for f in range(BT * NS):
+        j, bos, m_row, rel_max = _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT,
+                                            H, BT, BS, NS, BNS, UNION)
+        for kc in tl.static_range(0, BS, BK):
+            u = j * BS + kc + o_k                                           # [BK] key positions (relative)
+            m_k = (kc + o_k < BS) & (u >= 0) & (u <= rel_max)               # none when no row uses j
+            k_off = ((bos + u).to(tl.int64) * H + i_h)
+            b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
+            b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
+            b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                   # [M, BK]
+            m_s = m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])  # causal inside the block
+            b_s = tl.where(m_s, b_s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(b_s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0., m_new)             # rows with no key yet stay at 0
+            alpha = tl.exp2(m_i - m_use)
+            b_p = tl.exp2(b_s - m_use[:, None])                             # [M, BK]
+            l_i = l_i * alpha + tl.sum(b_p, 1)
+            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)     # [M, BDV]
+            m_i = m_new
+    l_safe = tl.where(l_i == 0., 1., l_i)
+    b_o = acc / l_safe[:, None]                                             # no key: o = 0
+    b_lse = tl.where(l_i == 0., float("-inf"), m_i + tl.log2(l_safe))       # base-2 lse of the scaled scores
+    tl.store(o + (t64 * HQ + hq_r)[:, None] * DV + o_dv[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_r[:, None] & (o_dv < DV)[None, :])
+    tl.store(lse + t64 * HQ + hq_r, b_lse, mask=m_r)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# backward: delta = rowsum(o * do), then dq (query-centric), then dk/dv (block-centric partials + ordered reduction)
+
+@triton.jit
+def _sel_bwd_delta_kernel(o, do, delta, NR, DV: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr):
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    o_dv = tl.arange(0, BDV)
+    m_r = o_r < NR
+    off = o_r.to(tl.int64)[:, None] * DV + o_dv[None, :]
+    msk = m_r[:, None] & (o_dv < DV)[None, :]
+    b_o = tl.load(o + off, mask=msk, other=0.).to(tl.float32)               # [BR, BDV]
+    b_do = tl.load(do + off, mask=msk, other=0.).to(tl.float32)
+    tl.store(delta + o_r, tl.sum(b_o * b_do, 1), mask=m_r)
+
+
+@triton.jit
+def _sel_bwd_dq_kernel(q, k, v, do, lse, delta, dq, idx, pos, scale_log2, scale, NT,
+                       H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                       D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                       BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    HQ: tl.constexpr = H * G
+    M: tl.constexpr = BT * BG
+    o_r = tl.arange(0, M)
+    p_r = o_r // BG
+    g_r = o_r % BG
+    t_r = i_t * BT + p_r
+    m_t = t_r < NT
+    m_r = m_t & (g_r < G)
+    t64 = t_r.to(tl.int64)
+    hq_r = i_h * G + g_r
+    rel_r = tl.load(pos + t_r, mask=m_t, other=0)                          # [M] positions inside the sequences
+    bos_r = t_r - rel_r                                                     # [M] sequence starts
+    o_d, o_dv, o_s, o_k = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BNS), tl.arange(0, BK)
+    b_q = tl.load(q + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :],
+                  mask=m_r[:, None] & (o_d < D)[None, :], other=0.)                         # [M, BD]
+    b_do = tl.load(do + (t64 * HQ + hq_r)[:, None] * DV + o_dv[None, :],
+                   mask=m_r[:, None] & (o_dv < DV)[None, :], other=0.)                      # [M, BDV]
+    b_lse = tl.load(lse + t64 * HQ + hq_r, mask=m_r, other=0.)                              # [M]
+    b_delta = tl.load(delta + t64 * HQ + hq_r, mask=m_r, other=0.)                          # [M]
+    b_idx = tl.load(idx + (t64 * H + i_h)[:, None] * NS + o_s[None, :],
+                    mask=m_t[:, None] & (o_s < NS)[None, :], other=-1)                      # [M, BNS]
+    b_dq = tl.zeros([M, BD], tl.float32)
+    for f in range(BT * NS):
+        j, bos, m_row, rel_max = _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT,
+                                            H, BT, BS, NS, BNS, UNION)
+        for kc in tl.static_range(0, BS, BK):
+            u = j * BS + kc + o_k
+            m_k = (kc + o_k < BS) & (u >= 0) & (u <= rel_max)               # none when no row uses j
+            k_off = ((bos + u).to(tl.int64) * H + i_h)
+            b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
+            b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
+            b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                   # [M, BK]
+            m_s = m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])
+            b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
+            b_dp = tl.dot(b_do, tl.trans(b_v))                              # [M, BK]
+            b_ds = b_p * (b_dp - b_delta[:, None])
+            b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)                         # [M, BD]
+    tl.store(dq + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty),
+             mask=m_r[:, None] & (o_d < D)[None, :])
+
+
+@triton.jit
+def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, rev_t, c_begin, c_end, c_key, dk_part, dv_part, pos,
+                        scale_log2, scale, NT,
+                        H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BQ: tl.constexpr,
+                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                        BS: tl.constexpr, BK: tl.constexpr, BSP: tl.constexpr):
+    i_c, i_kc = tl.program_id(0), tl.program_id(1)
+    HQ: tl.constexpr = H * G
+    M: tl.constexpr = BQ * BG
+    e0 = tl.load(c_begin + i_c)                           # this chunk: entries [e0, e1) of the sorted lists
+    e1 = tl.load(c_end + i_c)
+    key = tl.load(c_key + i_c)                            # kv head * NT + global start of the block
+    i_h = (key // NT).to(tl.int32)
+    kst = key % NT
+    o_d, o_dv, o_k, o_r = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BK), tl.arange(0, M)
+    u = kst + i_kc * BK + o_k                             # [BK] global key tokens
+    m_k = (i_kc * BK + o_k < BS) & (u < NT)
+    rel_k = tl.load(pos + kst) + i_kc * BK + o_k          # [BK] key positions inside the sequence
+    k_off = u * H + i_h
+    b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
+    b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
+    b_dk = tl.zeros([BK, BD], tl.float32)
+    b_dv = tl.zeros([BK, BDV], tl.float32)
+    e_r = o_r // BG
+    g_r = o_r % BG
+    for e in range(e0, e1, BQ):
+        m_e = e + e_r < e1
+        t_r = tl.load(rev_t + e + e_r, mask=m_e, other=-1)                # [M] query tokens, ascending
+        m_r = m_e & (t_r >= 0) & (g_r < G)
+        t64 = t_r.to(tl.int64)
+        hq_r = i_h * G + g_r
+        rel_r = tl.load(pos + t_r, mask=m_r, other=-1)
+        b_q = tl.load(q + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :],
+                      mask=m_r[:, None] & (o_d < D)[None, :], other=0.)                     # [M, BD]
+        b_do = tl.load(do + (t64 * HQ + hq_r)[:, None] * DV + o_dv[None, :],
+                       mask=m_r[:, None] & (o_dv < DV)[None, :], other=0.)                  # [M, BDV]
+        b_lse = tl.load(lse + t64 * HQ + hq_r, mask=m_r, other=0.)
+        b_delta = tl.load(delta + t64 * HQ + hq_r, mask=m_r, other=0.)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
+        m_s = m_r[:, None] & m_k[None, :] & (rel_k[None, :] <= rel_r[:, None])
+        b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
+        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)                  # [BK, BDV]
+        b_dp = tl.dot(b_do, tl.trans(b_v))                                  # [M, BK]
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)                   # [BK, BD]
+    row = (i_c.to(tl.int64) * BSP + i_kc * BK + o_k)[:, None]
+    tl.store(dk_part + row * D + o_d[None, :], b_dk * scale, mask=(o_d < D)[None, :])
+    tl.store(dv_part + row * DV + o_dv[None, :], b_dv, mask=(o_dv < DV)[None, :])
+
+
+@triton.jit
+def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT,
+                           H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                           BS: tl.constexpr, BSP: tl.constexpr, BR: tl.constexpr):
+    i_r, i_h = tl.program_id(0), tl.program_id(1)
+    o_d, o_dv = tl.arange(0, BD), tl.arange(0, BDV)
+    u = i_r * BR + tl.arange(0, BR)                       # [BR] global key tokens
+    m_u = u < NT
+    off = tl.load(pos + u, mask=m_u, other=0) % BS        # row inside its selection block
+    key = i_h * NT + u.to(tl.int64) - off                 # that block's (head, start) key
+    c0 = tl.load(seg_c0 + key, mask=m_u, other=0)         # its chunks: [c0, c1), summed in this order
+    c1 = tl.load(seg_c1 + key, mask=m_u, other=0)
+    b_dk = tl.zeros([BR, BD], tl.float32)
+    b_dv = tl.zeros([BR, BDV], tl.float32)
+    for c in range(0, tl.max(c1 - c0)):
+        m_c = m_u & (c0 + c < c1)
+        row = ((c0 + c).to(tl.int64) * BSP + off)[:, None]
+        b_dk += tl.load(dk_part + row * D + o_d[None, :], mask=m_c[:, None] & (o_d < D)[None, :], other=0.)
+        b_dv += tl.load(dv_part + row * DV + o_dv[None, :], mask=m_c[:, None] & (o_dv < DV)[None, :], other=0.)
+    out = (u.to(tl.int64) * H + i_h)[:, None]
+    tl.store(dk + out * D + o_d[None, :], b_dk.to(dk.dtype.element_ty), mask=m_u[:, None] & (o_d < D)[None, :])
+    tl.store(dv + out * DV + o_dv[None, :], b_dv.to(dv.dtype.element_ty), mask=m_u[:, None] & (o_dv < DV)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launchers (no host syncs: every size below comes from shapes, so torch.compile and CUDA graphs can capture them)
+
+def _flat(q, k, v, block_indices, sel_block, cu_seqlens):
+    """Packs (B, T, ...) into one token axis of B*T tokens; returns them, the cleaned ids, pos (B*T,) int32 (the
+    position of each token inside its own sequence: positions restart at each cu_seqlens offset), and the number
+    of sequences."""
+    B, T, HQ, D = q.shape
+    NT = B * T
+    t = torch.arange(NT, device=q.device)
+    if cu_seqlens is None:
+        pos, n_seq = t % T, B
+    else:
+        cu = cu_seqlens.long()
+        pos, n_seq = t - cu[torch.searchsorted(cu[1:], t, right=True)], cu_seqlens.numel() - 1
+    flat = lambda x: x.reshape(NT, *x.shape[2:]).contiguous()
+    return flat(q), flat(k), flat(v), _clean_indices(flat(block_indices), pos, sel_block), pos.to(torch.int32), n_seq
+
+
+def _clean_indices(idx, pos, sel_block):
+    """(NT, H, n) ids made valid and unique: ascending, ids outside [0, t // l'] and repeats -> -1 (the keys are a
+    union of blocks, so a repeated id counts once)."""
+    j = idx.sort(-1).values
+    ok = (j >= 0) & (j <= (pos // sel_block)[:, None, None])
+    ok[..., 1:] &= j[..., 1:] != j[..., :-1]
+    return torch.where(ok, j, -1)
+
+
+def _sizes(q, k, v, block_indices, sel_block):
+    G = q.shape[2] // k.shape[2]
+    D, DV, NS = q.shape[3], v.shape[3], block_indices.shape[3]
+    BG = triton.next_power_of_2(G)
+    BK = min(64, triton.next_power_of_2(sel_block))
+    return dict(H=k.shape[2], G=G, BG=BG, D=D, DV=DV, BD=max(16, triton.next_power_of_2(D)),
+                BDV=max(16, triton.next_power_of_2(DV)), BS=sel_block, BK=BK), NS
+
+
+def _fwd(q, k, v, block_indices, sel_block, scale, cu_seqlens):
+    B, T, HQ, D = q.shape
+    qf, kf, vf, idx, pos, _ = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
+    NT = B * T
+    c, NS = _sizes(q, k, v, block_indices, sel_block)
+    if NT == 0 or NS == 0:  # nothing to attend to: o = 0, lse = -inf
+        return q.new_zeros(B, T, HQ, v.shape[3]), q.new_full((B, T, HQ), float("-inf"), dtype=torch.float32)
+    cfg = dict(CONFIG["fwd"])
+    BT = max(1, cfg.pop("rows") // c["BG"])
+    union = cfg.pop("union") and BT > 1
+    o = torch.empty(NT, HQ, v.shape[3], device=q.device, dtype=q.dtype)
+    lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(NT, BT), c["H"])
+    _sel_fwd_kernel[grid](qf, kf, vf, o, lse, idx, pos, scale * math.log2(math.e), NT, BT=BT, NS=NS,
+                          BNS=triton.next_power_of_2(NS), UNION=union, **c, **cfg)
+    return o.view(B, T, HQ, v.shape[3]), lse.view(B, T, HQ)
+
+
+def _reverse_index(idx, pos, sel_block, n_seq, chunk):
+    """For every (kv head, selected block): the tokens that selected it, ascending, cut into chunks of `chunk`.
+    idx (NT, H, n) int32 cleaned, pos (NT,) int32. Returns rev_t (E,) int32, per chunk begin/end/key (NC,),
+    and per (head, block start token) the chunk range seg_c0/seg_c1 (H*NT,). O(NT*H*n) memory, no host sync."""
+    NT, H, NS = idx.shape
+    dev = idx.device
+    j = idx.long()                                                             # cleaned: valid or -1
+    kst = (torch.arange(NT, device=dev) - pos.long())[:, None, None] + j * sel_block  # global start of the block
+    head = torch.arange(H, device=dev)[None, :, None]
+    key = torch.where(j >= 0, head * NT + kst, H * NT).flatten()               # (E,) invalid -> sentinel, last
+    key, perm = torch.sort(key, stable=True)                                   # stable: tokens stay ascending
+    rev_t = (perm // (H * NS)).to(torch.int32)
+    E = key.numel()
+    i = torch.arange(E, device=dev)
+    new_seg = torch.ones(E, dtype=torch.bool, device=dev)
+    new_seg[1:] = key[1:] != key[:-1]
+    valid = key < H * NT
+    seg_start = torch.searchsorted(key, key)                                   # first entry of each one's block
+    is_chunk = valid & (new_seg | ((i - seg_start) % chunk == 0))
+    # chunks <= E / chunk + segments, segments <= H * (NT / l' + n_seq)
+    NC = E // chunk + H * (NT // sel_block + n_seq) + 1
+    csum = torch.cumsum(is_chunk, 0)
+    c_begin = torch.searchsorted(csum, torch.arange(1, NC + 2, device=dev))   # position of the c-th chunk start
+    c_begin = torch.minimum(c_begin, valid.sum())
+    c_end, c_begin = c_begin[1:], c_begin[:-1]
+    c_key = torch.where(c_begin < c_end, key[c_begin.clamp(max=E - 1)], H * NT)  # sorted; empty chunks last
+    blocks = (torch.arange(H, device=dev)[:, None] * NT + torch.arange(NT, device=dev)[None, :]).flatten()
+    seg_c0 = torch.searchsorted(c_key, blocks).to(torch.int32)                 # (H*NT,) for keys that start a block
+    seg_c1 = torch.searchsorted(c_key, blocks, right=True).to(torch.int32)
+    return rev_t, c_begin, c_end, torch.where(c_begin < c_end, c_key, 0), seg_c0, seg_c1
+
+
+def _bwd(do, q, k, v, o, lse, block_indices, sel_block, scale, cu_seqlens):
+    B, T, HQ, D = q.shape
+    if B * T == 0 or block_indices.shape[3] == 0:  # no key anywhere: all gradients are zero
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    qf, kf, vf, idx, pos, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
+    of, dof = o.reshape(B * T, HQ, -1).contiguous(), do.reshape(B * T, HQ, -1).contiguous()
+    NT = B * T
+    c, NS = _sizes(q, k, v, block_indices, sel_block)
+    H, DV = c["H"], c["DV"]
+    scale_log2 = scale * math.log2(math.e)
+    delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
+    BR = 32
+    _sel_bwd_delta_kernel[(triton.cdiv(NT * HQ, BR),)](of, dof, delta, NT * HQ, DV=DV, BDV=c["BDV"], BR=BR)
+    dq = torch.empty_like(qf)
+    cfg = dict(CONFIG["dq"])
+    BT = max(1, cfg.pop("rows") // c["BG"])
+    union = cfg.pop("union") and BT > 1
+    _sel_bwd_dq_kernel[(triton.cdiv(NT, BT), H)](qf, kf, vf, dof, lse, delta, dq, idx, pos, scale_log2, scale, NT,
+                                                 BT=BT, NS=NS, BNS=triton.next_power_of_2(NS), UNION=union, **c, **cfg)
+    # dk/dv: smaller key tiles for wide heads keep the two fp32 [BK, D] accumulators in registers
+    c_kv = dict(c, BK=min(c["BK"], 32 if max(D, DV) > 128 else 64))
+    cfg = dict(CONFIG["dkv"])
+    BQ = max(1, cfg.pop("rows") // c["BG"])
+    chunk = max(BQ, CHUNK_ROWS // c["BG"] // BQ * BQ)
+    rev_t, c_begin, c_end, c_key, seg_c0, seg_c1 = _reverse_index(idx, pos, sel_block, n_seq, chunk)
+    NC = c_begin.numel()
+    n_kc = triton.cdiv(sel_block, c_kv["BK"])
+    BSP = n_kc * c_kv["BK"]
+    dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
+    dv_part = torch.empty(NC, BSP, DV, device=q.device, dtype=torch.float32)
+    _sel_bwd_dkv_kernel[(NC, n_kc)](qf, kf, vf, dof, lse, delta, rev_t, c_begin, c_end, c_key, dk_part, dv_part,
+                                     pos, scale_log2, scale, NT, BQ=BQ, BSP=BSP, **c_kv, **cfg)
+    dk, dv = torch.empty_like(kf), torch.empty_like(vf)
+    BR = 32
+    _sel_bwd_reduce_kernel[(triton.cdiv(NT, BR), H)](dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT, H=H, D=D,
+                                                     DV=DV, BD=c["BD"], BDV=c["BDV"], BS=sel_block, BSP=BSP, BR=BR)
+    return dq.view_as(q), dk.view_as(k), dv.view_as(v)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch.library ops: opaque to torch.compile (fake impls give shapes), autograd through the backward op
+
+@torch.library.custom_op("nsa::sel_attn_fwd", mutates_args=())
+def sel_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor, sel_block: int,
+                 scale: float, cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd(q, k, v, block_indices, sel_block, scale, cu_seqlens)
+
+
+@sel_attn_fwd.register_fake
+def _(q, k, v, block_indices, sel_block, scale, cu_seqlens):
+    B, T, HQ, _ = q.shape
+    return q.new_empty(B, T, HQ, v.shape[3]), q.new_empty(B, T, HQ, dtype=torch.float32)
+
+
+@torch.library.custom_op("nsa::sel_attn_bwd", mutates_args=())
+def sel_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, block_indices: torch.Tensor, sel_block: int, scale: float,
+                 cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd(do, q, k, v, o, lse, block_indices, sel_block, scale, cu_seqlens)
+
+
+@sel_attn_bwd.register_fake
+def _(do, q, k, v, o, lse, block_indices, sel_block, scale, cu_seqlens):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, block_indices, sel_block, scale, cu_seqlens = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, o, lse, block_indices, cu_seqlens)
+    ctx.sel_block, ctx.scale = sel_block, scale
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, block_indices, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = sel_attn_bwd(do, q, k, v, o, lse, block_indices, ctx.sel_block, ctx.scale, cu_seqlens)
+    return dq, dk, dv, None, None, None, None
+
+
+sel_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu_seqlens=None):
+    """Selected-block attention (SPEC.md), differentiable in q, k, v; no host sync, deterministic backward.
+    q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv) fp16/bf16 (fp32 works: tf32 dots on GPU); HQ % H == 0.
+    block_indices int32 (B, T, H, n): for token t and kv head h the block ids j (keys [j*l', (j+1)*l') masked to
+    <= t); -1 or ids outside [0, t // l'] are ignored. cu_seqlens int32 (N+1,) with B == 1: packed sequences,
+    positions and block ids relative to each start. scale defaults to D ** -0.5. Returns o (B, T, HQ, Dv)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D (B, T, HQ|H, D), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, T, HQ, D = q.shape
+    if k.shape[:2] != (B, T) or k.shape[3] != D or HQ % k.shape[2] or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k must be (B, T, H, D) with H dividing HQ and v (B, T, H, Dv) for q {tuple(q.shape)}, "
+                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if block_indices.dtype != torch.int32 or block_indices.dim() != 4 or block_indices.shape[:3] != k.shape[:3]:
+        raise ValueError(f"block_indices must be int32 (B, T, H, n) = ({B}, {T}, {k.shape[2]}, n), "
+                         f"got {block_indices.dtype} {tuple(block_indices.shape)}")
+    if cu_seqlens is not None and (B != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1):
+        raise ValueError(f"cu_seqlens must be int32 (N + 1,) with B == 1, got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)} with B={B}")
+    scale = D ** -0.5 if scale is None else float(scale)
+    return sel_attn_fwd(q, k, v, block_indices, int(sel_block), scale, cu_seqlens)[0]
