@@ -325,10 +325,11 @@ if mode == "layer":
 # replayed from a CUDA graph, as sample.py runs its step, so launch overhead is out of the numbers.
 
 def _graphed(fn):
-    """fn compiled, warmed up and captured in a CUDA graph; returns the replay. fn itself on the CPU."""
+    """fn compiled (decode_compile), warmed up and captured in a CUDA graph; returns the replay. fn itself on the CPU."""
     if not cuda:
         return fn
-    fn = torch.compile(fn, fullgraph=True)
+    if decode_compile:
+        fn = torch.compile(fn, fullgraph=True)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
