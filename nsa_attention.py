@@ -2,7 +2,6 @@
 The four public ops (compressed_attention, select_blocks, selection_attention, window_attention) follow SPEC.md;
 backend="auto" runs the Triton kernels of sel_kernel.py on CUDA and this reference elsewhere. model.py uses NSAAttention.
 """
-import importlib
 import math
 
 import torch
@@ -11,7 +10,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 BACKENDS = ("auto", "torch", "triton")
-KERNEL_MODULES = ("sel_kernel", "nsa_kernels")  # where backend="triton" looks for kernels
 QUERY_CHUNK = 128  # queries per step in the reference: keeps every score tensor at (chunk x keys), never T x T
 
 
@@ -54,7 +52,9 @@ def _check_qkv(q, k, v=None, names=("q", "k", "v")):
                              f"got ({t.dtype}, {t.device})")
 
 
-def _check_cu_seqlens(cu_seqlens, B, T, device, name="cu_seqlens"):
+def _check_cu_seqlens(cu_seqlens, B, T, device, name="cu_seqlens", exact_end=True):
+    """int32 (N + 1,) offsets from 0, non-decreasing, ending at T (at most T where exact_end=False: compressed keys
+    may carry padding blocks after the last sequence)."""
     if cu_seqlens is None:
         return
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
@@ -73,8 +73,8 @@ def _check_cu_seqlens(cu_seqlens, B, T, device, name="cu_seqlens"):
         raise ValueError(f"{name} must start at 0, got {c[0]}")
     if any(b < a for a, b in zip(c, c[1:])):
         raise ValueError(f"{name} must be non-decreasing, got {c}")
-    if c[-1] != T:
-        raise ValueError(f"{name} must end at T={T}, got {c[-1]}")
+    if (c[-1] != T) if exact_end else (c[-1] > T):
+        raise ValueError(f"{name} must end at {'' if exact_end else 'most at '}T={T}, got {c[-1]}")
 
 
 def _check_backend(backend):
@@ -82,24 +82,28 @@ def _check_backend(backend):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+def _load_kernels():
+    """Every *_triton function of sel_kernel.py and nsa_kernels.py, looked up once at import (dynamo cannot trace an
+    import inside forward). Returns ({name: fn}, the ImportError if triton or a kernel file is missing)."""
+    try:
+        import nsa_kernels
+        import sel_kernel
+    except ImportError as e:
+        return {}, e
+    return {n: f for m in (sel_kernel, nsa_kernels) for n, f in vars(m).items() if n.endswith("_triton")}, None
+
+
 def _kernel(backend, x, name):
-    """The Triton function `name` (from sel_kernel.py or nsa_kernels.py) if this call should use it, else None.
-    auto: the kernel on CUDA when it exists; triton: the kernel or an error; torch: the reference."""
+    """The Triton function `name` if this call should use it, else None (use the reference).
+    auto: the kernel on CUDA; triton: the kernel or an error; torch: the reference."""
     _check_backend(backend)
     if backend == "torch" or (backend == "auto" and not x.is_cuda):
         return None
-    for module in KERNEL_MODULES:
-        try:
-            fn = getattr(importlib.import_module(module), name, None)
-        except ImportError as e:
-            if backend == "triton":
-                raise ValueError(f"backend='triton' needs triton and {module}.py: {e}") from e
-            return None
-        if fn is not None:
-            return fn
-    if backend == "triton":
-        raise ValueError(f"backend='triton': no Triton {name} exists yet; use backend='torch' or 'auto'")
-    return None
+    fn = KERNELS.get(name)
+    if fn is None and backend == "triton":
+        raise ValueError(f"backend='triton' needs {name} from sel_kernel.py / nsa_kernels.py "
+                         f"({KERNEL_IMPORT_ERROR or 'not defined'}); use backend='torch'")
+    return fn
 
 
 def num_cmp_blocks(T, cmp_block, cmp_stride):
@@ -178,15 +182,19 @@ def _chunked(T, step, *tensors):
 def compress(x, pos_emb, phi, cmp_block, cmp_stride, cu_seqlens=None):
     """Learnable compression: block i = x[i*d : i*d + l] (+ intra-block position embedding) -> phi -> one token.
     x (B, T, H, D), pos_emb (l, D), phi: module mapping (..., l*D) -> (..., Dout).
-    Returns x_cmp (B, Tc, H, Dout) and cu_seqlens_cmp (None without cu_seqlens); sequences compress alone."""
+    Returns x_cmp (B, Tc, H, Dout) and cu_seqlens_cmp (None without cu_seqlens); sequences compress alone.
+    With cu_seqlens the count of blocks depends on the lengths, so Tc is the static bound T // d (no host sync,
+    compile-friendly): blocks past cu_seqlens_cmp[-1] are padding that no op reads."""
     B, T, H, D = x.shape
     if cu_seqlens is None:
         starts = torch.arange(num_cmp_blocks(T, cmp_block, cmp_stride), device=x.device) * cmp_stride   # (Tc,)
         cu_cmp = None
     else:
-        cu_cmp = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
-        starts = torch.cat([torch.arange(a, max(a, b - cmp_block + 1), cmp_stride, device=x.device)
-                            for a, b in _segments(cu_seqlens, T)] + [torch.zeros(0, dtype=torch.long, device=x.device)])
+        cu_cmp = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)                # (N + 1,)
+        c = torch.arange(T // cmp_stride, device=x.device)                     # (Tc,) packed compressed index
+        seq = torch.searchsorted(cu_cmp[1:].long(), c, right=True).clamp_max(cu_cmp.numel() - 2)  # its sequence
+        starts = cu_seqlens.long()[seq] + (c - cu_cmp.long()[seq]) * cmp_stride   # (Tc,) first raw position
+        starts = torch.where(c < cu_cmp[-1], starts, 0)                        # padding blocks read position 0
     idx = starts[:, None] + torch.arange(cmp_block, device=x.device)           # (Tc, l) raw positions of each block
     blocks = x[:, idx] + pos_emb[:, None, :].to(x.dtype)                       # (B, Tc, l, H, D)
     blocks = blocks.permute(0, 1, 3, 2, 4).flatten(3)                          # (B, Tc, H, l*D)
@@ -222,7 +230,7 @@ def compressed_attention(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale=None, cu_
         if k_cmp.shape[1] > expect:
             raise ValueError(f"k_cmp has {k_cmp.shape[1]} blocks but T={T} gives at most Tc={expect}")
     else:
-        _check_cu_seqlens(cu_seqlens_cmp, B, k_cmp.shape[1], q.device, "cu_seqlens_cmp")
+        _check_cu_seqlens(cu_seqlens_cmp, B, k_cmp.shape[1], q.device, "cu_seqlens_cmp", exact_end=False)
         if cu_seqlens_cmp.shape != cu_seqlens.shape:
             raise ValueError(f"cu_seqlens_cmp must have the shape of cu_seqlens {tuple(cu_seqlens.shape)}, "
                              f"got {tuple(cu_seqlens_cmp.shape)}")
@@ -687,3 +695,6 @@ def decode_reads(S, cmp_block, cmp_stride, sel_block, n_select, window):
     nb = -(-S // sel_block)
     slc = S if nb <= n_select else (n_select - 1) * sel_block + (S - 1) % sel_block + 1
     return num_cmp_blocks(S, cmp_block, cmp_stride), slc, min(window, S)
+
+
+KERNELS, KERNEL_IMPORT_ERROR = _load_kernels()  # at the end: the kernel files may import from this one

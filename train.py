@@ -88,9 +88,6 @@ if dtype not in ("bfloat16", "float16", "float32"):
 if min(batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every, save_every) < 1:
     raise ValueError("batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every and "
                      "save_every must be >= 1")
-if doc_batches and compile and attn == "nsa":  # nsa_attention.compress() reads cu_seqlens on the host (.tolist())
-    raise ValueError("doc_batches=True with attn='nsa' needs compile=False: NSA's compress() syncs on cu_seqlens, "
-                     "which torch.compile(fullgraph=True) cannot trace")
 if doc_batches and batch_size * block_size >= 2**31:
     raise ValueError(f"doc_batches needs batch_size * block_size < 2**31, got {batch_size * block_size}")
 
@@ -98,6 +95,9 @@ if doc_batches and batch_size * block_size >= 2**31:
 # DDP / device: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE; NCCL on CUDA, gloo on CPU
 if device == "auto":
     device = "cuda" if torch.cuda.is_available() else "cpu"
+if doc_batches and compile and attn == "nsa" and (backend == "torch" or not device.startswith("cuda")):
+    raise ValueError("doc_batches=True with attn='nsa' on the PyTorch reference (CPU or backend='torch') needs "
+                     "compile=False: the reference splits sequences on the host, which fullgraph cannot trace")
 ddp = int(os.environ.get("RANK", -1)) != -1
 if ddp:
     rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])

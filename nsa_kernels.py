@@ -1,0 +1,641 @@
+"""Triton kernels for the compressed branch, block selection and the sliding window; the selection kernel lives in
+sel_kernel.py. nsa_attention.py's backend="triton" (and "auto" on CUDA) calls the three public functions at the bottom;
+tests/test_nsa_kernels.py checks them against its PyTorch reference. Ops: nsa::range_attn_fwd/bwd, nsa::select.
+"""
+# Compressed and window attention are one kernel family ("range attention"): query row t reads the keys [lo(t), hi(t))
+# of a packed key array; key c is read by the queries [qlo(c), qhi(c)) (the same relation, seen from the key side).
+# - compressed: keys are the Tc compressed tokens; lo = first compressed key of t's sequence, hi = lo + visible blocks.
+# - window: keys are the raw tokens; lo = max(sequence start, t - w + 1), hi = t + 1.
+# Forward and dq are query-centric: one program = BT tokens x the G heads of one kv group (a [BT*BG, D] Q tile, token
+# major, so every key tile is loaded once for the whole group). dk/dv is key-centric: one program = BN keys of one kv
+# head walking the queries that read them (split into token chunks when keys are few); no atomics, so the backward is
+# deterministic. Steps that every row reads in full skip the mask. Softmax in base 2, lse stored fp32 (natural log).
+#
+# Block selection (Eq. 8-10) streams the compressed keys again with the compressed branch's lse: per chunk of NP
+# selection blocks it computes p_cmp [BT*BG, BKC], sums the group's heads (Eq. 10), maps compressed to selection blocks
+# with the overlap weights (Eq. 9; a carry holds the part of the last compressed blocks that spills into the next
+# chunk), packs (score bits, -j) into one int64 and merges it into a running sorted top-NP list (bitonic merge: the
+# top-NP of two sorted lists is max(a_desc, b_asc)). Only the (B, T, H, n) int32 indices are written.
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# launch parameters: M = query rows (tokens x padded group) per program, BN = keys per step; picked on one H100 with
+# `python bench.py --mode=layer --layer_sweep=True` (T = 65536, HQ = 64, H = 4, D = 128, bf16), see layer_readme
+CONFIG = {
+    "fwd": dict(M=128, BN=64, num_warps=4, num_stages=2),
+    "dq": dict(M=128, BN=64, num_warps=8, num_stages=2),
+    "dkv": dict(M=128, BN=64, num_warps=8, num_stages=2),
+    "select": dict(M=256, num_warps=8, num_stages=2),
+}
+DKV_CHUNK = 512  # compressed dk/dv: fewest tokens per query chunk (the grid aims at >= 2048 programs)
+INT_MAX = tl.constexpr(2 ** 31 - 1)  # "no key" sentinel and the low word of the packed selection keys
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# key ranges: packed arrays with var-length input, else computed here (no per-call index tensors to build).
+# KIND 0 = compressed (A = l, BB = d; keys are the SEQ_TK compressed tokens of each length-SEQ_T row),
+# KIND 1 = window (A = w; keys are the raw tokens).
+
+@triton.jit
+def _row_range(t, m, lo, hi, KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB):
+    """[lo, hi): the keys query token t reads (empty where m is false)."""
+    if VARLEN:
+        b_lo = tl.load(lo + t, mask=m, other=INT_MAX)
+        b_hi = tl.load(hi + t, mask=m, other=0)
+    else:
+        s, p = t // SEQ_T, t % SEQ_T
+        if KIND == 0:
+            b_lo = s * SEQ_TK
+            b_hi = b_lo + tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), SEQ_TK)
+        else:
+            b_lo = tl.maximum(s * SEQ_T, t - A + 1)
+            b_hi = t + 1
+        b_lo = tl.where(m, b_lo, INT_MAX)
+        b_hi = tl.where(m, b_hi, 0)
+    return b_lo, b_hi
+
+
+@triton.jit
+def _key_range(c, m, qlo, qhi, KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB):
+    """[qlo, qhi): the query tokens that read key c (the same relation as _row_range, from the key side)."""
+    if VARLEN:
+        b_lo = tl.load(qlo + c, mask=m, other=INT_MAX)
+        b_hi = tl.load(qhi + c, mask=m, other=0)
+    else:
+        if KIND == 0:
+            s = c // SEQ_TK
+            b_lo = s * SEQ_T + (c % SEQ_TK) * BB + A - 1
+            b_hi = (s + 1) * SEQ_T
+        else:
+            b_lo = c
+            b_hi = tl.minimum((c // SEQ_T + 1) * SEQ_T, c + A)
+        b_lo = tl.where(m, b_lo, INT_MAX)
+        b_hi = tl.where(m, b_hi, 0)
+    return b_lo, b_hi
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# range attention forward: o = softmax(scale * q k^T) v over keys [lo[t], hi[t]), base-2 softmax, fp32 accumulate
+
+@triton.jit
+def _split(lo, hi, valid, BN: tl.constexpr):
+    """Cut [min lo, max hi) into [start, a) masked, [a, b) unmasked (every valid row reads every key of each BN-step,
+    aligned on start), [b, end) masked. lo, hi: per-row ranges, valid: the rows that count."""
+    start, end = tl.min(lo, 0), tl.max(hi, 0)
+    f_lo = tl.max(tl.where(valid, lo, -1), 0)             # keys every valid row reads: [f_lo, f_hi)
+    f_hi = tl.min(tl.where(valid, hi, INT_MAX), 0)
+    a = tl.minimum(start + (tl.maximum(f_lo - start, 0) + BN - 1) // BN * BN, end)
+    b = a + tl.maximum(tl.minimum(f_hi, end) - a, 0) // BN * BN
+    return start, a, b, end
+
+
+@triton.jit
+def _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, k_from, k_to, k_end, scale_log2, i_h,
+              H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+              BN: tl.constexpr, MASK: tl.constexpr):
+    o_d, o_dv, o_n = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BN)
+    for k0 in range(k_from, k_to, BN):
+        c = k0 + o_n                                                                      # [BN] key ids
+        m_k = c < k_end
+        k_off = c.to(tl.int64) * H + i_h
+        b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
+        b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                                     # [M, BN]
+        if MASK:
+            b_s = tl.where((c[None, :] >= b_lo[:, None]) & (c[None, :] < b_hi[:, None]), b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0., m_new)                               # rows with no key yet
+        alpha = tl.exp2(m_i - m_use)
+        b_p = tl.exp2(b_s - m_use[:, None])                                               # [M, BN]
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)                       # [M, BDV]
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _range_fwd_kernel(q, k, v, o, lse, lo, hi, scale_log2, NT,
+                      KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB,
+                      H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                      D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    HQ: tl.constexpr = H * G
+    M: tl.constexpr = BT * BG
+    o_r = tl.arange(0, M)
+    t_r = i_t * BT + o_r // BG                            # [M] token of each row
+    g_r = o_r % BG                                        # [M] head of each row inside the group
+    m_r = (t_r < NT) & (g_r < G)
+    t64 = t_r.to(tl.int64)
+    hq_r = i_h * G + g_r
+    o_d, o_dv = tl.arange(0, BD), tl.arange(0, BDV)
+    b_lo, b_hi = _row_range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB)         # [M] key ranges
+    b_q = tl.load(q + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :],
+                  mask=m_r[:, None] & (o_d < D)[None, :], other=0.)                        # [M, BD]
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, BDV], tl.float32)
+    k0, ka, kb, k_end = _split(b_lo, b_hi, m_r, BN)
+    m_i, l_i, acc = _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, k0, ka, k_end, scale_log2, i_h,
+                              H, D, DV, BD, BDV, BN, True)
+    m_i, l_i, acc = _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, ka, kb, k_end, scale_log2, i_h,
+                              H, D, DV, BD, BDV, BN, False)
+    m_i, l_i, acc = _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, kb, k_end, k_end, scale_log2, i_h,
+                              H, D, DV, BD, BDV, BN, True)
+    l_safe = tl.where(l_i == 0., 1., l_i)
+    b_o = acc / l_safe[:, None]                                                           # no key: o = 0
+    b_lse = tl.where(l_i == 0., float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)   # natural log
+    tl.store(o + (t64 * HQ + hq_r)[:, None] * DV + o_dv[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_r[:, None] & (o_dv < DV)[None, :])
+    tl.store(lse + t64 * HQ + hq_r, b_lse, mask=m_r)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# range attention backward: dq (query-centric; also writes delta = rowsum(o * do)), then dk/dv (key-centric)
+
+@triton.jit
+def _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, k_from, k_to, k_end, scale_log2, i_h,
+             H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+             BN: tl.constexpr, MASK: tl.constexpr):
+    o_d, o_dv, o_n = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BN)
+    for k0 in range(k_from, k_to, BN):
+        c = k0 + o_n
+        m_k = c < k_end
+        k_off = c.to(tl.int64) * H + i_h
+        b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
+        b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                                     # [M, BN]
+        b_p = tl.exp2(b_s - b_lse[:, None])
+        if MASK:
+            b_p = tl.where((c[None, :] >= b_lo[:, None]) & (c[None, :] < b_hi[:, None]), b_p, 0.)
+        b_dp = tl.dot(b_do, tl.trans(b_v))                                                # [M, BN]
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)                                           # [M, BD]
+    return b_dq
+
+
+@triton.jit
+def _range_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, lo, hi, scale_log2, scale, NT,
+                         KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB,
+                         H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                         D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    HQ: tl.constexpr = H * G
+    M: tl.constexpr = BT * BG
+    o_r = tl.arange(0, M)
+    t_r = i_t * BT + o_r // BG
+    g_r = o_r % BG
+    m_r = (t_r < NT) & (g_r < G)
+    t64 = t_r.to(tl.int64)
+    hq_r = i_h * G + g_r
+    o_d, o_dv = tl.arange(0, BD), tl.arange(0, BDV)
+    b_lo, b_hi = _row_range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB)
+    m_qd = m_r[:, None] & (o_d < D)[None, :]
+    m_qv = m_r[:, None] & (o_dv < DV)[None, :]
+    b_q = tl.load(q + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :], mask=m_qd, other=0.)        # [M, BD]
+    b_do = tl.load(do + (t64 * HQ + hq_r)[:, None] * DV + o_dv[None, :], mask=m_qv, other=0.)    # [M, BDV]
+    b_o = tl.load(o + (t64 * HQ + hq_r)[:, None] * DV + o_dv[None, :], mask=m_qv, other=0.)
+    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)                                # [M]
+    tl.store(delta + t64 * HQ + hq_r, b_delta, mask=m_r)
+    b_lse = tl.load(lse + t64 * HQ + hq_r, mask=m_r, other=0.) * 1.4426950408889634              # base 2
+    b_lse = tl.where(b_lse == float("-inf"), 0., b_lse)   # a row with no key: masked below, keep exp2 finite
+    b_dq = tl.zeros([M, BD], tl.float32)
+    k0, ka, kb, k_end = _split(b_lo, b_hi, m_r, BN)
+    b_dq = _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, k0, ka, k_end, scale_log2, i_h,
+                    H, D, DV, BD, BDV, BN, True)
+    b_dq = _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, ka, kb, k_end, scale_log2, i_h,
+                    H, D, DV, BD, BDV, BN, False)
+    b_dq = _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, kb, k_end, k_end, scale_log2, i_h,
+                    H, D, DV, BD, BDV, BN, True)
+    tl.store(dq + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_qd)
+
+
+@triton.jit
+def _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, t_from, t_to, t_end, scale_log2, i_h,
+              H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
+              DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, MASK: tl.constexpr):
+    HQ: tl.constexpr = H * G
+    M: tl.constexpr = BT * BG
+    o_d, o_dv, o_r = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, M)
+    g_r = o_r % BG
+    hq_r = i_h * G + g_r
+    for t0 in range(t_from, t_to, BT):
+        t_r = t0 + o_r // BG                                                              # [M] query tokens
+        m_r = (t_r < t_end) & (g_r < G)
+        t64 = t_r.to(tl.int64)
+        b_q = tl.load(q + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :],
+                      mask=m_r[:, None] & (o_d < D)[None, :], other=0.)                    # [M, BD]
+        b_do = tl.load(do + (t64 * HQ + hq_r)[:, None] * DV + o_dv[None, :],
+                       mask=m_r[:, None] & (o_dv < DV)[None, :], other=0.)                 # [M, BDV]
+        b_lse = tl.load(lse + t64 * HQ + hq_r, mask=m_r, other=0.) * 1.4426950408889634
+        b_delta = tl.load(delta + t64 * HQ + hq_r, mask=m_r, other=0.)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                                     # [M, BN]
+        if MASK:
+            m_s = m_r[:, None] & (t_r[:, None] >= b_qlo[None, :]) & (t_r[:, None] < b_qhi[None, :])
+            b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
+        else:                                             # padding rows have q = do = 0: they add nothing
+            b_p = tl.exp2(b_s - b_lse[:, None])
+        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)                                # [BN, BDV]
+        b_dp = tl.dot(b_do, tl.trans(b_v))                                                # [M, BN]
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        if MASK:                                          # where, not 0 * dp: an unread key may hold NaN
+            b_ds = tl.where(m_s, b_ds, 0.)
+        b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)                                 # [BN, BD]
+    return b_dk, b_dv
+
+
+@triton.jit
+def _range_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, qlo, qhi, scale_log2, scale, NK, QCH,
+                          KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB,
+                          H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                          D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
+    """One program: BN keys x the queries of token chunk i_q ([i_q*QCH, (i_q+1)*QCH)); with several chunks dk/dv
+    are fp32 partials (NQC, NK, H, D) that the launcher sums in chunk order."""
+    i_k, i_q, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_d, o_dv, o_n = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BN)
+    c = i_k * BN + o_n                                                                    # [BN] key ids
+    m_k = c < NK
+    b_qlo, b_qhi = _key_range(c, m_k, qlo, qhi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB)     # [BN] query ranges
+    k_off = c.to(tl.int64) * H + i_h
+    b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
+    b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
+    b_dk = tl.zeros([BN, BD], tl.float32)
+    b_dv = tl.zeros([BN, BDV], tl.float32)
+    c_lo = tl.maximum(b_qlo, i_q * QCH)                   # this program's token chunk
+    c_hi = tl.minimum(b_qhi, (i_q + 1) * QCH)
+    t0, ta, tb, t_end = _split(c_lo, c_hi, m_k, BT)
+    b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, t0, ta, t_end, scale_log2, i_h,
+                           H, G, BG, BT, D, DV, BD, BDV, True)
+    b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, ta, tb, t_end, scale_log2, i_h,
+                           H, G, BG, BT, D, DV, BD, BDV, False)
+    b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, tb, t_end, t_end, scale_log2,
+                           i_h, H, G, BG, BT, D, DV, BD, BDV, True)
+    p_off = i_q.to(tl.int64) * NK * H + k_off
+    tl.store(dk + p_off[:, None] * D + o_d[None, :], (b_dk * scale).to(dk.dtype.element_ty),
+             mask=m_k[:, None] & (o_d < D)[None, :])
+    tl.store(dv + p_off[:, None] * DV + o_dv[None, :], b_dv.to(dv.dtype.element_ty),
+             mask=m_k[:, None] & (o_dv < DV)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# block selection: Eq. 8 (p_cmp from the lse), Eq. 10 (sum over the group), Eq. 9 (overlap weights), top-n
+
+@triton.jit
+def _indicator(N_DIMS: tl.constexpr, j: tl.constexpr):
+    return tl.reshape(tl.arange(0, 2), [1] * (N_DIMS - j - 1) + [2] + [1] * j)
+
+
+@triton.jit
+def _compare_swap(x, flip, i: tl.constexpr, N_DIMS: tl.constexpr):
+    y = tl.sum(x, N_DIMS - 1 - i, keep_dims=True) - x     # partner along axis i of the hypercube (a + b - a)
+    return tl.where((x > y) != (flip ^ _indicator(N_DIMS, i)), y, x)
+
+
+@triton.jit
+def _sort_rows(x, DESC: tl.constexpr, LOG_N: tl.constexpr, N_DIMS: tl.constexpr, MERGE_ONLY: tl.constexpr = 0):
+    """Bitonic sort of each row of x [R, 2**LOG_N] (x.numel == 2**N_DIMS); tl.sort's network with the partner taken
+    by a sum instead of an xor-reduce (which the interpreter runs element by element). MERGE_ONLY: the rows are
+    already bitonic, so only the last merge stage runs (LOG_N compare-swaps instead of LOG_N (LOG_N + 1) / 2)."""
+    h = tl.reshape(x, [2] * N_DIMS)
+    for stage in tl.static_range(LOG_N if MERGE_ONLY else 1, LOG_N + 1):
+        if stage < LOG_N:
+            flip = _indicator(N_DIMS, stage)
+        else:
+            flip = DESC
+        for i in tl.static_range(stage):
+            h = _compare_swap(h, flip, stage - 1 - i, N_DIMS)
+    return tl.reshape(h, x.shape)
+
+
+@triton.jit
+def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.constexpr, SEQ_T, SEQ_TK,
+                   H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                   D: tl.constexpr, BD: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LS: tl.constexpr,
+                   NS: tl.constexpr, NP: tl.constexpr, BKC: tl.constexpr, N_INIT: tl.constexpr,
+                   N_LOCAL: tl.constexpr, LOG_NP: tl.constexpr, N_DIMS: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    HQ: tl.constexpr = H * G
+    M: tl.constexpr = BT * BG
+    CPS: tl.constexpr = LS // DS                          # compressed blocks starting in one selection block
+    o_r, o_b, o_c, o_j = tl.arange(0, M), tl.arange(0, BT), tl.arange(0, BKC), tl.arange(0, NP)
+    o_d = tl.arange(0, BD)
+    t_r = i_t * BT + o_r // BG                            # [M] rows: token major, group heads minor
+    g_r = o_r % BG
+    m_r = (t_r < NT) & (g_r < G)
+    t64 = t_r.to(tl.int64)
+    hq_r = i_h * G + g_r
+    t_b = i_t * BT + o_b                                  # [BT] tokens of the tile
+    m_b = t_b < NT
+    if VARLEN:                                            # packed sequences: position and sequence id arrays
+        pos_r = tl.load(pos + t_r, mask=m_r, other=0)
+        seq_r = tl.load(seq + t_r, mask=m_r, other=-1)
+        pos_b = tl.load(pos + t_b, mask=m_b, other=0)
+        seq_b = tl.load(seq + t_b, mask=m_b, other=-1)
+        s_first = tl.load(seq + i_t * BT)
+        s_last = tl.load(seq + tl.minimum(i_t * BT + BT - 1, NT - 1))
+    else:                                                 # B rows of SEQ_T tokens
+        pos_r, seq_r = t_r % SEQ_T, tl.where(m_r, t_r // SEQ_T, -1)
+        pos_b, seq_b = t_b % SEQ_T, tl.where(m_b, t_b // SEQ_T, -1)
+        s_first = (i_t * BT) // SEQ_T
+        s_last = tl.minimum(i_t * BT + BT - 1, NT - 1) // SEQ_T
+    b_q = tl.load(q + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :],
+                  mask=m_r[:, None] & (o_d < D)[None, :], other=0.)                        # [M, BD]
+    b_lse = tl.load(lse + t64 * HQ + hq_r, mask=m_r, other=0.) * 1.4426950408889634       # [M] base 2
+    tb = pos_b // LS                                                                      # [BT] own block
+    top = tl.full([BT, NP], -1, tl.int64)                 # running top-NP keys, sorted descending
+    for s in range(s_first, s_last + 1):                  # a tile may straddle packed sequences
+        if VARLEN:
+            c_bos = tl.load(cu_cmp + s)
+            n_c = tl.load(cu_cmp + s + 1) - c_bos
+        else:
+            c_bos = s * SEQ_TK
+            n_c = SEQ_TK
+        m_rs = m_r & (seq_r == s)
+        m_bs = m_b & (seq_b == s)
+        carry = tl.zeros([BT], tl.float32)                # weight spilling into the next chunk's first block
+        for j0 in range(0, tl.max(tl.where(m_bs, tb + 1, 0), 0), NP):
+            ic = j0 * CPS + o_c                                                           # [BKC] relative ids
+            m_c = (o_c < NP * CPS) & (ic < n_c)
+            k_off = (c_bos + ic).to(tl.int64) * H + i_h
+            b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_c[:, None] & (o_d < D)[None, :], other=0.)
+            b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                                 # [M, BKC]
+            vis = m_rs[:, None] & m_c[None, :] & (ic[None, :] * DS + L - 1 <= pos_r[:, None])
+            b_p = tl.where(vis, tl.exp2(b_s - b_lse[:, None]), 0.)                        # Eq. 8
+            b_pg = tl.sum(tl.reshape(b_p, [BT, BG, BKC]), 1)                              # [BT, BKC] Eq. 10
+            st = ic * DS                                                                  # block starts
+            js = (j0 + o_j) * LS
+            w = tl.minimum(st[:, None] + L, js[None, :] + LS) - tl.maximum(st[:, None], js[None, :])
+            w = tl.maximum(w, 0).to(tl.float32) / DS                                      # [BKC, NP] Eq. 9
+            if BT >= 16:
+                b_sc = tl.dot(b_pg, w, input_precision="ieee")                            # [BT, NP]
+            else:
+                b_sc = tl.sum(b_pg[:, :, None] * w[None, :, :], 1)
+            nxt = (j0 + NP) * LS
+            w2 = tl.maximum(tl.minimum(st + L, nxt + LS) - tl.maximum(st, nxt), 0).to(tl.float32) / DS
+            b_sc = tl.where(o_j[None, :] == 0, b_sc + carry[:, None], b_sc)
+            carry = tl.sum(b_pg * w2[None, :], 1)
+            jj = j0 + o_j                                                                 # [NP] block ids
+            cand = m_bs[:, None] & (jj[None, :] <= tb[:, None])
+            forced = (jj[None, :] < N_INIT) | (jj[None, :] > tb[:, None] - N_LOCAL)
+            b_sc = tl.where(forced, float("inf"), b_sc)
+            # scores are >= 0, so their bits order like the floats; the low word makes ties go to the lower j
+            key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-jj + INT_MAX).to(tl.int64)[None, :]
+            key = _sort_rows(tl.where(cand, key, -1), 0, LOG_NP, N_DIMS)                  # ascending
+            top = _sort_rows(tl.maximum(top, key), 1, LOG_NP, N_DIMS, 1)                  # bitonic merge
+    o_s = tl.arange(0, NP)
+    valid = (o_s[None, :] < NS) & (top >= 0)
+    j = tl.where(valid, (-(top & INT_MAX) + INT_MAX).to(tl.int32), INT_MAX)
+    j = _sort_rows(j, 0, LOG_NP, N_DIMS)                                                  # ascending, padding last
+    j = tl.where(j == INT_MAX, -1, j)
+    tl.store(idx + (t_b.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :], j,
+             mask=m_b[:, None] & (o_s < NS)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launchers (no host syncs: every size comes from shapes, so torch.compile and CUDA graphs can capture them)
+
+def _seqs(B, T, cu_seqlens, device):
+    """Packed token layout: cu (N+1,) int64 offsets, seq (B*T,) sequence id and pos (B*T,) position inside it.
+    Without cu_seqlens the B rows are B sequences of length T."""
+    t = torch.arange(B * T, device=device)
+    if cu_seqlens is None:
+        return torch.arange(B + 1, device=device) * T, t // T, t % T
+    cu = cu_seqlens.long()
+    seq = torch.searchsorted(cu[1:], t, right=True)
+    return cu, seq, t - cu[seq]
+
+
+def _cmp_cu(B, Tc, cu_seqlens_cmp, device):
+    return torch.arange(B + 1, device=device) * Tc if cu_seqlens_cmp is None else cu_seqlens_cmp.long()
+
+
+def _i32(*xs):
+    return [x.to(torch.int32).contiguous() for x in xs]
+
+
+def _cmp_ranges(B, T, Tc, l, d, cu_seqlens, cu_seqlens_cmp, device):
+    """Compressed branch: query t reads compressed keys [lo, hi) (its sequence's first blocks, i*d + l - 1 <= pos);
+    compressed key c is read by queries [qlo, qhi). Keys past cu_seqlens_cmp[-1] (padding) are read by none."""
+    cu, seq, pos = _seqs(B, T, cu_seqlens, device)
+    cu_c = _cmp_cu(B, Tc, cu_seqlens_cmp, device)
+    lo = cu_c[seq]
+    nv = torch.where(pos + 1 < l, 0, torch.div(pos + 1 - l, d, rounding_mode="floor") + 1)
+    hi = torch.minimum(lo + nv, cu_c[seq + 1])
+    c = torch.arange(B * Tc, device=device)
+    cs = torch.searchsorted(cu_c[1:], c, right=True).clamp_max(cu_c.numel() - 2)
+    inside = c < cu_c[-1]
+    qlo = torch.where(inside, cu[cs] + (c - cu_c[cs]) * d + l - 1, 0)
+    qhi = torch.where(inside, cu[cs + 1], 0)
+    return _i32(lo, hi, qlo, qhi)
+
+
+def _win_ranges(B, T, w, cu_seqlens, device):
+    """Window: query t reads keys [max(bos, t - w + 1), t + 1); key u is read by queries [u, min(eos, u + w))."""
+    cu, seq, pos = _seqs(B, T, cu_seqlens, device)
+    t = torch.arange(B * T, device=device)
+    bos, eos = cu[seq], cu[seq + 1]
+    return _i32(torch.maximum(bos, t - w + 1), t + 1, t, torch.minimum(eos, t + w))
+
+
+def _sizes(q, k, v, M):
+    G = q.shape[2] // k.shape[2]
+    BG = triton.next_power_of_2(G)
+    return dict(H=k.shape[2], G=G, BG=BG, BT=max(1, M // BG), D=q.shape[3], DV=v.shape[3],
+                BD=max(16, triton.next_power_of_2(q.shape[3])), BDV=max(16, triton.next_power_of_2(v.shape[3])))
+
+
+def _launch_cfg(name, width):
+    """(M, launch kwargs) for a kernel; heads wider than 128 halve the tiles so they fit in shared memory."""
+    c = dict(CONFIG[name])
+    M = c.pop("M")
+    if width > 128:
+        M = max(16, M // 2)
+        if "BN" in c:
+            c["BN"] = max(16, c["BN"] // 2)
+    return M, c
+
+
+def _range_fwd(q, k, v, geo, lo, hi, scale):
+    """q (NT, HQ, D), k (NK, H, D), v (NK, H, Dv) packed -> o (NT, HQ, Dv), lse (NT, HQ) fp32 natural log."""
+    NT, HQ, _ = q.shape
+    o = torch.empty(NT, HQ, v.shape[2], device=q.device, dtype=q.dtype)
+    lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
+    if NT == 0:
+        return o, lse
+    M, launch = _launch_cfg("fwd", max(q.shape[2], v.shape[2]))
+    c = _sizes(q[None], k[None], v[None], M)
+    _range_fwd_kernel[(triton.cdiv(NT, c["BT"]), c["H"])](q, k, v, o, lse, lo, hi, scale * math.log2(math.e), NT,
+                                                          **geo, **c, **launch)
+    return o, lse
+
+
+def _range_bwd(do, q, k, v, o, lse, geo, lo, hi, qlo, qhi, scale, n_chunks):
+    """n_chunks > 1 splits each key block's queries into token chunks (parallelism when keys are few, as in the
+    compressed branch): fp32 partials summed in a fixed order, so still deterministic."""
+    NT, HQ, _ = q.shape
+    NK = k.shape[0]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
+    sl2 = scale * math.log2(math.e)
+    if NT > 0:
+        M, launch = _launch_cfg("dq", max(q.shape[2], v.shape[2]))
+        c = _sizes(q[None], k[None], v[None], M)
+        _range_bwd_dq_kernel[(triton.cdiv(NT, c["BT"]), c["H"])](q, k, v, o, do, lse, delta, dq, lo, hi, sl2, scale,
+                                                                 NT, **geo, **c, **launch)
+    if NK > 0 and NT > 0:
+        M, launch = _launch_cfg("dkv", max(q.shape[2], v.shape[2]))
+        c = _sizes(q[None], k[None], v[None], M)
+        qch = triton.cdiv(triton.cdiv(NT, n_chunks), c["BT"]) * c["BT"]
+        nqc = triton.cdiv(NT, qch)
+        dk_p, dv_p = (dk, dv) if nqc == 1 else (k.new_empty(nqc, *k.shape, dtype=torch.float32),
+                                                 v.new_empty(nqc, *v.shape, dtype=torch.float32))
+        _range_bwd_dkv_kernel[(triton.cdiv(NK, launch["BN"]), nqc, c["H"])](
+            q, k, v, do, lse, delta, dk_p, dv_p, qlo, qhi, sl2, scale, NK, qch, **geo, **c, **launch)
+        if nqc > 1:
+            dk, dv = dk_p.sum(0).to(k.dtype), dv_p.sum(0).to(v.dtype)
+    elif NK > 0:
+        dk.zero_()
+        dv.zero_()
+    return dq, dk, dv
+
+
+def _ranges(kind, B, T, Tk, a, b, cu_seqlens, cu_seqlens_cmp, device):
+    """(geo kwargs of the kernels, lo, hi, qlo, qhi): index arrays only for var-length input."""
+    geo = dict(KIND=kind, VARLEN=cu_seqlens is not None, SEQ_T=T, SEQ_TK=Tk, A=a, BB=b)
+    if cu_seqlens is None:
+        return (geo, *[torch.empty(1, device=device, dtype=torch.int32)] * 4)
+    if kind == 0:
+        return (geo, *_cmp_ranges(B, T, Tk, a, b, cu_seqlens, cu_seqlens_cmp, device))
+    return (geo, *_win_ranges(B, T, a, cu_seqlens, device))
+
+
+def _pack(x):
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()   # (B, T, ...) -> (B*T, ...)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch.library ops: opaque to torch.compile (fake impls give shapes), autograd through the backward op.
+# kind 0 = compressed (a, b = cmp_block, cmp_stride), kind 1 = window (a = window).
+
+@torch.library.custom_op("nsa::range_attn_fwd", mutates_args=())
+def range_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: int, a: int, b: int, scale: float,
+                   cu_seqlens: Optional[torch.Tensor], cu_seqlens_cmp: Optional[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    B, T, HQ, _ = q.shape
+    geo, lo, hi, _, _ = _ranges(kind, B, T, k.shape[1], a, b, cu_seqlens, cu_seqlens_cmp, q.device)
+    o, lse = _range_fwd(_pack(q), _pack(k), _pack(v), geo, lo, hi, scale)
+    return o.view(B, T, HQ, -1), lse.view(B, T, HQ)
+
+
+@range_attn_fwd.register_fake
+def _(q, k, v, kind, a, b, scale, cu_seqlens, cu_seqlens_cmp):
+    B, T, HQ, _ = q.shape
+    return q.new_empty(B, T, HQ, v.shape[3]), q.new_empty(B, T, HQ, dtype=torch.float32)
+
+
+@torch.library.custom_op("nsa::range_attn_bwd", mutates_args=())
+def range_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                   lse: torch.Tensor, kind: int, a: int, b: int, scale: float, cu_seqlens: Optional[torch.Tensor],
+                   cu_seqlens_cmp: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, T, HQ, _ = q.shape
+    geo, lo, hi, qlo, qhi = _ranges(kind, B, T, k.shape[1], a, b, cu_seqlens, cu_seqlens_cmp, q.device)
+    # compressed keys are few (T / d): split each key block's queries into chunks so the dk/dv grid fills the GPU
+    n_key_programs = triton.cdiv(k.shape[0] * k.shape[1], CONFIG["dkv"]["BN"]) * k.shape[2]
+    n_chunks = 1 if kind == 1 else max(1, min(triton.cdiv(B * T, DKV_CHUNK), triton.cdiv(2048, max(1, n_key_programs))))
+    dq, dk, dv = _range_bwd(_pack(do), _pack(q), _pack(k), _pack(v), _pack(o), _pack(lse), geo, lo, hi, qlo, qhi,
+                            scale, n_chunks)
+    return dq.view_as(q), dk.view_as(k), dv.view_as(v)
+
+
+@range_attn_bwd.register_fake
+def _(do, q, k, v, o, lse, kind, a, b, scale, cu_seqlens, cu_seqlens_cmp):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, kind, a, b, scale, cu_seqlens, cu_seqlens_cmp = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, cu_seqlens_cmp)
+    ctx.args = (kind, a, b, scale)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, cu_seqlens, cu_seqlens_cmp = ctx.saved_tensors
+    dq, dk, dv = range_attn_bwd(do.contiguous(), q, k, v, o, lse, *ctx.args, cu_seqlens, cu_seqlens_cmp)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+range_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("nsa::select", mutates_args=())
+def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block: int, cmp_stride: int,
+              sel_block: int, n_select: int, n_init: int, n_local: int, scale: float,
+              cu_seqlens: Optional[torch.Tensor], cu_seqlens_cmp: Optional[torch.Tensor]) -> torch.Tensor:
+    B, T, HQ, D = q.shape
+    Tc, H = k_cmp.shape[1], k_cmp.shape[2]
+    idx = torch.empty(B * T, H, n_select, device=q.device, dtype=torch.int32)
+    if B * T == 0:
+        return idx.view(B, T, H, n_select)
+    if cu_seqlens is None:                                # the kernel computes positions itself
+        seq = pos = cu_c = idx
+    else:
+        _, seq, pos = _seqs(B, T, cu_seqlens, q.device)
+        seq, pos, cu_c = _i32(seq, pos, cu_seqlens_cmp)
+    M, launch = _launch_cfg("select", D)
+    c = _sizes(q, k_cmp, k_cmp, M)
+    NP = max(16, triton.next_power_of_2(n_select))
+    BKC = max(16, triton.next_power_of_2(NP * (sel_block // cmp_stride)))
+    _select_kernel[(triton.cdiv(B * T, c["BT"]), H)](
+        _pack(q), _pack(k_cmp), _pack(lse), idx, pos, seq, cu_c, scale * math.log2(math.e), B * T,
+        cu_seqlens is not None, T, Tc,
+        H=H, G=c["G"], BG=c["BG"], BT=c["BT"], D=D, BD=c["BD"], L=cmp_block, DS=cmp_stride, LS=sel_block,
+        NS=n_select, NP=NP, BKC=BKC, N_INIT=n_init, N_LOCAL=n_local, LOG_NP=int(math.log2(NP)),
+        N_DIMS=int(math.log2(NP * c["BT"])), **launch)
+    return idx.view(B, T, H, n_select)
+
+
+@select_op.register_fake
+def _(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale, cu_seqlens, cu_seqlens_cmp):
+    B, T, _, _ = q.shape
+    return q.new_empty(B, T, k_cmp.shape[2], n_select, dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# public functions (nsa_attention.py validates inputs before calling these)
+
+def compressed_attention_triton(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, cu_seqlens=None, cu_seqlens_cmp=None):
+    """Attention over compressed tokens (SPEC.md "Compressed"), differentiable in q, k_cmp, v_cmp.
+    q (B, T, HQ, D), k_cmp (B, Tc, H, D), v_cmp (B, Tc, H, Dv) fp16/bf16/fp32; query t sees block i iff
+    i*d + l - 1 <= t (relative to its sequence with cu_seqlens int32 (N+1,), B == 1, and cu_seqlens_cmp int32 (N+1,)).
+    Returns o (B, T, HQ, Dv) in q's dtype and lse (B, T, HQ) fp32 (no gradient; -inf and o = 0 where no block)."""
+    if cu_seqlens is not None and cu_seqlens_cmp is None:
+        raise ValueError("cu_seqlens_cmp is needed with cu_seqlens (nsa_attention.cmp_cu_seqlens builds it)")
+    return range_attn_fwd(q, k_cmp, v_cmp, 0, int(cmp_block), int(cmp_stride), float(scale), cu_seqlens,
+                          cu_seqlens_cmp)
+
+
+def window_attention_triton(q, k, v, window, scale, cu_seqlens=None):
+    """Sliding-window causal attention (SPEC.md): query t sees keys max(bos, t - window + 1) .. t.
+    q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv); cu_seqlens int32 (N+1,) with B == 1 for packed sequences.
+    Returns o (B, T, HQ, Dv) in q's dtype, differentiable in q, k, v (deterministic backward)."""
+    return range_attn_fwd(q, k, v, 1, int(window), 0, float(scale), cu_seqlens, None)[0]
+
+
+def select_blocks_triton(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale,
+                         cu_seqlens=None, cu_seqlens_cmp=None, lse=None):
+    """Top-n selection blocks (SPEC.md "Selected", Eq. 8-10) without materialising scores. q (B, T, HQ, D),
+    k_cmp (B, Tc, H, D); lse (B, T, HQ) fp32 from compressed_attention (computed here when None).
+    Returns int32 (B, T, H, n_select): valid block ids ascending (forced blocks included), then -1. No gradient."""
+    if cu_seqlens is not None and cu_seqlens_cmp is None:
+        raise ValueError("cu_seqlens_cmp is needed with cu_seqlens (nsa_attention.cmp_cu_seqlens builds it)")
+    q, k_cmp = q.detach(), k_cmp.detach()
+    if lse is None:
+        lse = range_attn_fwd(q, k_cmp, k_cmp[..., :1], 0, int(cmp_block), int(cmp_stride), float(scale),
+                             cu_seqlens, cu_seqlens_cmp)[1]
+    return select_op(q, k_cmp, lse.detach().float(), int(cmp_block), int(cmp_stride), int(sel_block), int(n_select),
+                     int(n_init), int(n_local), float(scale), cu_seqlens, cu_seqlens_cmp)
