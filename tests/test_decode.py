@@ -253,7 +253,8 @@ def test_compiled_step_does_not_recompile(attn):
 @pytest.mark.gpu
 def test_gpu_compiled_decode_matches_forward():
     # CUDA: prefill through the Triton kernels, then the step compiled with mode="reduce-overhead" (CUDA graphs),
-    # against forward over the whole sequence (fp32; kernels may use TF32 dots, hence the looser bound)
+    # against forward over the whole sequence: the fp32 reference (tight) and the Triton kernels, whose fp32 dots
+    # run in TF32 (~1e-3 per score; with these sharp scores a few 1e-2 of the output, hence the looser bound)
     from nsa_attention import NSAAttention
     cfg = GPTConfig(**{**TINY, "backend": "auto", "n_embd": 256, "n_head": 8, "n_kv_head": 2, "cmp_block": 32,
                        "cmp_stride": 16, "sel_block": 64, "n_select": 8, "window": 128, "cmp_hidden": 64})
@@ -266,6 +267,9 @@ def test_gpu_compiled_decode_matches_forward():
     x = torch.randn(B, T0 + N, cfg.n_embd, device="cuda")
     with torch.no_grad():
         ref = attn(x)
+        attn.cfg = GPTConfig(**{**vars(cfg), "backend": "torch"})
+        ref32 = attn(x)                                                        # the reference, plain fp32 on GPU
+        attn.cfg = cfg
         attn.setup_cache(B, T0 + N)
         attn.prefill(x[:, :T0], torch.tensor([T0, T0 - 333], device="cuda"))
         step = torch.compile(attn.decode, fullgraph=True, mode="reduce-overhead")
@@ -273,8 +277,11 @@ def test_gpu_compiled_decode_matches_forward():
         for _ in range(N):
             torch.compiler.cudagraph_mark_step_begin()
             o = step(x[torch.arange(B), pos][:, None], pos)[:, 0]              # (B, C)
-            want = ref[torch.arange(B, device="cuda"), pos]
-            assert ((o - want).norm() / want.norm()).item() < 1e-2
+            rows = torch.arange(B, device="cuda"), pos
+            err32 = ((o - ref32[rows]).norm() / ref32[rows].norm()).item()
+            err = ((o - ref[rows]).norm() / ref[rows].norm()).item()
+            print(f"pos {pos.tolist()}: rel err vs reference {err32:.2e}, vs Triton forward {err:.2e}")
+            assert err32 < 1e-4 and err < 5e-2
             pos = pos + 1
 
 
