@@ -170,6 +170,14 @@ def test_parquet(tmp_path):
         pd.prepare(dataset="parquet", input=str(tmp_path / "*.parquet"), out_dir=out + "2", num_proc=1)
 
 
+def test_parquet_without_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")                              # never opened: the import fails first
+    monkeypatch.setitem(sys.modules, "pyarrow", None)                          # import pyarrow -> ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(RuntimeError, match="needs pyarrow"):
+        pd.prepare(dataset="parquet", input=str(tmp_path / "*.parquet"), out_dir=str(tmp_path / "o"), num_proc=1)
+
+
 def test_single_text_file_is_cut_at_a_newline(tmp_path):
     text = "".join(f"line {i}\n" for i in range(100))
     (tmp_path / "input.txt").write_text(text)
