@@ -96,6 +96,16 @@ def make_indices(T, q):
     return torch.where(j == 1 << 40, -1, j).to(torch.int32)
 
 
+def write_csv(header, rows):
+    """The printed table to --csv= (nothing when csv is ""), through a temp file so a crash leaves no half file."""
+    if csv:
+        with open(csv + ".tmp", "w", newline="") as fh:
+            w = csv_lib.writer(fh)
+            w.writerow(header)
+            w.writerows(rows)
+        os.replace(csv + ".tmp", csv)
+
+
 def rel_rmse(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -255,12 +265,7 @@ def run_layer():
     print(f"{'T':>7} {'HQ':>3} {'impl':<16} {'pass':<8} {'ms':>10} {'speedup':>8} {'mem GiB':>8}")
     for T, hq, name, p, ms, sp, mem in rows:
         print(f"{T:>7} {hq:>3} {name:<16} {p:<8} {ms:>10.3f} {sp:>8.2f} {mem:>8.2f}")
-    if csv:
-        with open(csv + ".tmp", "w", newline="") as fh:
-            w = csv_lib.writer(fh)
-            w.writerow(("T", "HQ", "impl", "pass", "ms", "speedup", "peak_extra_gib"))
-            w.writerows(rows)
-        os.replace(csv + ".tmp", csv)
+    write_csv(("T", "HQ", "impl", "pass", "ms", "speedup", "peak_extra_gib"), rows)
 
 
 def layer_parts_ref(hq):
@@ -452,12 +457,7 @@ def run_decode():
     print(f"{'S':>7} {'B':>3} {'what':<10} {'impl':<24} {'ms':>9} {'speedup':>8} {'reads':>7}")
     for S, b, what, name, ms, sp, n_read in rows:
         print(f"{S:>7} {b:>3} {what:<10} {name:<24} {ms:>9.4f} {sp:>8.2f} {n_read:>7}")
-    if csv:
-        with open(csv + ".tmp", "w", newline="") as fh:
-            w = csv_lib.writer(fh)
-            w.writerow(("S", "B", "what", "impl", "ms", "speedup", "reads"))
-            w.writerows(rows)
-        os.replace(csv + ".tmp", csv)
+    write_csv(("S", "B", "what", "impl", "ms", "speedup", "reads"), rows)
 
 
 if mode == "decode":
@@ -535,12 +535,7 @@ print(f"\nB={B} HQ={HQ} H={H} D={D} Dv={Dv} n={n_select} l'={sel_block} {dtype} 
 print(f"{'T':>7} {'impl':<28} {'pass':<8} {'ms':>10} {'TFLOP/s':>8} {'speedup':>8}")
 for r in rows:
     print(f"{r['T']:>7} {r['impl']:<28} {r['pass_']:<8} {r['ms']:>10.3f} {r['tflops']:>8.1f} {r['speedup']:>8.2f}")
-if csv:
-    with open(csv + ".tmp", "w", newline="") as fh:
-        w = csv_lib.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(csv + ".tmp", csv)
+write_csv(list(rows[0]), [list(r.values()) for r in rows])
 
 if sweep or profile:
     T = max(seqlens)
