@@ -441,30 +441,41 @@ class NSAAttention(nn.Module):
 
     def forward(self, x, cu_seqlens=None):
         """x (B, T, C) -> (B, T, C). With cu_seqlens (B == 1), sequences are independent."""
+        return self._forward(x, cu_seqlens)[0]
+
+    def _forward(self, x, cu_seqlens):
+        """forward's output and the keys/values it made: {name: (B, T or Tc, H, D)}, which prefill caches."""
         cfg, HQ, H, D = self.cfg, self.HQ, self.H, self.D
         B, T, C = x.shape
         pos = positions(cu_seqlens, T, x.device)                               # (T,)
         q = rope(self.wq(x).view(B, T, HQ, D), pos, cfg.rope_theta)            # (B, T, HQ, D)
-        k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = self.wkv(x).view(B, T, 6, H, D).unbind(2)  # each (B, T, H, D)
+        k_raw, v_raw, k_slc, v_slc, k_win, v_win = self.wkv(x).view(B, T, 6, H, D).unbind(2)  # each (B, T, H, D)
         k_slc, k_win = rope(k_slc, pos, cfg.rope_theta), rope(k_win, pos, cfg.rope_theta)
         # phi sees raw keys without RoPE; the compressed key then gets RoPE at its block's last position
         # i*d + l - 1, the first query allowed to see it, so q . k_cmp depends on distance like the raw branches.
-        k_cmp, cu_cmp = compress(k_cmp, self.k_pos, self.k_phi, cfg.cmp_block, cfg.cmp_stride, cu_seqlens)
-        v_cmp, _ = compress(v_cmp, self.v_pos, self.v_phi, cfg.cmp_block, cfg.cmp_stride, cu_seqlens)
+        k_cmp, cu_cmp = compress(k_raw, self.k_pos, self.k_phi, cfg.cmp_block, cfg.cmp_stride, cu_seqlens)
+        v_cmp, _ = compress(v_raw, self.v_pos, self.v_phi, cfg.cmp_block, cfg.cmp_stride, cu_seqlens)
         pos_cmp = positions(cu_cmp, k_cmp.shape[1], x.device) * cfg.cmp_stride + cfg.cmp_block - 1   # (Tc,)
         k_cmp = rope(k_cmp, pos_cmp, cfg.rope_theta)                           # (B, Tc, H, D)
         be = cfg.backend
         o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride, cu_seqlens=cu_seqlens,
-                                        cu_seqlens_cmp=cu_cmp, backend=be)     # (B, T, HQ, D)
+                                          cu_seqlens_cmp=cu_cmp, backend=be)   # (B, T, HQ, D)
         idx = select_blocks(q.detach(), k_cmp.detach(), cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_select,
                             cfg.n_init, cfg.n_local, cu_seqlens=cu_seqlens, cu_seqlens_cmp=cu_cmp, backend=be, lse=lse)
         o_slc = selection_attention(q, k_slc, v_slc, idx, cfg.sel_block, cu_seqlens=cu_seqlens, backend=be)
         o_win = window_attention(q, k_win, v_win, cfg.window, cu_seqlens=cu_seqlens, backend=be)
-        g = self.gate(x).view(B, T, HQ, 3)                                     # (B, T, HQ, 3) gate logits
-        g = g.to(torch.promote_types(g.dtype, torch.float32))                  # gate math in fp32 (fp64 in tests)
-        g = torch.softmax(g, dim=-1) if cfg.gate == "softmax" else torch.sigmoid(g)
+        g = self._gate(x)                                                      # (B, T, HQ, 3)
         o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win   # (B, T, HQ, D)
-        return self.wo(o.to(x.dtype).reshape(B, T, HQ * D))
+        kv = dict(k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win, k_raw=k_raw, v_raw=v_raw, k_cmp=k_cmp,
+                  v_cmp=v_cmp)
+        return self.wo(o.to(x.dtype).reshape(B, T, HQ * D)), kv
+
+    def _gate(self, x):
+        """Gate weights (..., HQ, 3) for x (..., C): softmax or sigmoid of the gate MLP, computed in fp32 (fp64 in
+        gradcheck)."""
+        g = self.gate(x).unflatten(-1, (self.HQ, 3))                           # (..., HQ, 3) gate logits
+        g = g.to(torch.promote_types(g.dtype, torch.float32))
+        return torch.softmax(g, dim=-1) if self.cfg.gate == "softmax" else torch.sigmoid(g)
 
     # ---- decode (issue 7): cache, batched prefill, one-token step (decode section at the bottom) ----
 
@@ -478,21 +489,17 @@ class NSAAttention(nn.Module):
         """forward(x) for right-padded rows, filling the cache: x (B, T, C), row b holds tokens 0..lengths[b]-1.
         The selection and compressed caches take positions 0..T-1 (slots past a row's length are rewritten by
         decode before any query can see them); the rings take each row's own last positions. Returns (B, T, C)."""
-        c, cfg, H, D = getattr(self, "kv_cache", None), self.cfg, self.H, self.D
+        c, H, D = getattr(self, "kv_cache", None), self.H, self.D
         B, T, _ = x.shape
         _check_cache_input(c, B, T, lengths)
-        out = self(x)
-        pos = torch.arange(T, device=x.device)                                 # (T,)
-        k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = self.wkv(x).view(B, T, 6, H, D).unbind(2)  # each (B, T, H, D)
-        k_slc, k_win = rope(k_slc, pos, cfg.rope_theta), rope(k_win, pos, cfg.rope_theta)
-        c.k_slc[:, :, :T], c.v_slc[:, :, :T] = k_slc.transpose(1, 2), v_slc.transpose(1, 2)
-        for ring, src in ((c.k_win, k_win), (c.v_win, v_win), (c.k_raw, k_cmp), (c.v_raw, v_cmp)):
+        out, kv = self._forward(x, None)
+        c.k_slc[:, :, :T], c.v_slc[:, :, :T] = kv["k_slc"].transpose(1, 2), kv["v_slc"].transpose(1, 2)
+        for name in ("k_win", "v_win", "k_raw", "v_raw"):
+            ring = getattr(c, name)                                            # (B, H, W, D)
             held = ring_positions(lengths, ring.shape[2]).clamp_min(0)         # (B, W) position of each slot
-            ring.copy_(torch.gather(src, 1, held[:, :, None, None].expand(-1, -1, H, D)).transpose(1, 2))
-        kc, _ = compress(k_cmp, self.k_pos, self.k_phi, cfg.cmp_block, cfg.cmp_stride)   # (B, Tc, H, D)
-        vc, _ = compress(v_cmp, self.v_pos, self.v_phi, cfg.cmp_block, cfg.cmp_stride)
-        kc = rope(kc, torch.arange(kc.shape[1], device=x.device) * cfg.cmp_stride + cfg.cmp_block - 1, cfg.rope_theta)
-        c.k_cmp[:, :, :kc.shape[1]], c.v_cmp[:, :, :kc.shape[1]] = kc.transpose(1, 2), vc.transpose(1, 2)
+            ring.copy_(torch.gather(kv[name], 1, held[:, :, None, None].expand(-1, -1, H, D)).transpose(1, 2))
+        Tc = kv["k_cmp"].shape[1]
+        c.k_cmp[:, :, :Tc], c.v_cmp[:, :, :Tc] = kv["k_cmp"].transpose(1, 2), kv["v_cmp"].transpose(1, 2)
         return out
 
     def decode(self, x, pos):
@@ -523,10 +530,7 @@ class NSAAttention(nn.Module):
             new = phi(block.flatten(2))                                        # (B, H, D)
             new = rope(new[None], pos, th)[0] if use_rope else new             # RoPE at i*d + l - 1 = pos
             cache[rows, :, i] = torch.where(emit[:, None, None], new, cache[rows, :, i])
-        g = self.gate(x[:, 0]).view(B, HQ, 3)                                  # (B, HQ, 3) gate logits
-        g = g.to(torch.promote_types(g.dtype, torch.float32))
-        g = torch.softmax(g, dim=-1) if cfg.gate == "softmax" else torch.sigmoid(g)
-        o = decode_attention(q, c, pos, g, cfg)                                # (B, HQ, D)
+        o = decode_attention(q, c, pos, self._gate(x[:, 0]), cfg)             # (B, HQ, D)
         return self.wo(o.to(x.dtype).reshape(B, 1, HQ * D))
 
 
