@@ -438,6 +438,7 @@ class NSAAttention(nn.Module):
         nn.init.zeros_(self.gate[-1].weight)            # the gate starts as an even mix (SPEC.md)
         nn.init.zeros_(self.gate[-1].bias)
         self.wo = nn.Linear(HQ * D, C, bias=False)
+        self.record = False  # when True, forward keeps its gate weights and branch outputs in self.recorded
 
     def forward(self, x, cu_seqlens=None):
         """x (B, T, C) -> (B, T, C). With cu_seqlens (B == 1), sequences are independent."""
@@ -466,6 +467,8 @@ class NSAAttention(nn.Module):
         o_win = window_attention(q, k_win, v_win, cfg.window, cu_seqlens=cu_seqlens, backend=be)
         g = self._gate(x)                                                      # (B, T, HQ, 3)
         o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win   # (B, T, HQ, D)
+        if self.record:  # train.py's statistics: how the gate mixes the branches
+            self.recorded = dict(gate=g.detach(), cmp=o_cmp.detach(), slc=o_slc.detach(), win=o_win.detach())
         kv = dict(k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win, k_raw=k_raw, v_raw=v_raw, k_cmp=k_cmp,
                   v_cmp=v_cmp)
         return self.wo(o.to(x.dtype).reshape(B, T, HQ * D)), kv

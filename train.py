@@ -9,7 +9,7 @@ import os
 import resource
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict
 
 import torch
@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-import nsa_attention
 from model import GPT, GPTConfig
 from prepare_data import TokenShards
 
@@ -248,46 +247,24 @@ def get_lr(it):
 BRANCHES = ("cmp", "slc", "win")
 
 
-@contextmanager
-def nsa_probe(nsa_model):
-    """Records, per layer, the gate values (B, T, HQ, 3) and each branch's output, during one eager forward:
-    a forward hook on block.attn.gate and wrappers of nsa_attention's three branch ops (restored on exit)."""
-    layers, hooks, saved = [], [], {}
-    for block in nsa_model.blocks:
-        hooks.append(block.attn.register_forward_pre_hook(lambda m, a: layers.append({"o": []})))
-        hooks.append(block.attn.gate.register_forward_hook(lambda m, a, g: layers[-1].update(g=g)))
-
-    def wrap(fn, first):
-        def recorder(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            layers[-1]["o"].append(out[0] if first else out)                   # (B, T, HQ, D)
-            return out
-        return recorder
-
-    for name, first in (("compressed_attention", True), ("selection_attention", False), ("window_attention", False)):
-        saved[name] = getattr(nsa_attention, name)
-        setattr(nsa_attention, name, wrap(saved[name], first))
-    try:
-        yield layers
-    finally:
-        for name, fn in saved.items():
-            setattr(nsa_attention, name, fn)
-        for h in hooks:
-            h.remove()
-
-
 @torch.no_grad()
 def nsa_stats(x, cu):
     """Per layer and branch: gate mean/std over tokens and heads, and the branch's share of the gated output norm,
-    ||g_b * o_b|| / sum_b' ||g_b' * o_b'||. From an eager no-grad forward of raw_model on one micro-batch."""
-    stats = {}
-    with nsa_probe(raw_model) as layers, ctx:
-        raw_model(x, None, cu)
-    for i, rec in enumerate(layers):
-        B, T = x.shape
-        g = rec["g"].float().view(B, T, -1, 3)                                 # (B, T, HQ, 3) gate logits
-        g = torch.softmax(g, -1) if model_args["gate"] == "softmax" else torch.sigmoid(g)
-        norms = torch.stack([(g[..., b:b + 1] * o.float()).norm() for b, o in enumerate(rec["o"])])  # (3,)
+    ||g_b * o_b|| / sum_b' ||g_b' * o_b'||. From an eager no-grad forward of raw_model on one micro-batch, with each
+    NSAAttention recording its gate weights (B, T, HQ, 3) and branch outputs (B, T, HQ, D)."""
+    stats, attns = {}, [block.attn for block in raw_model.blocks]
+    for attn in attns:
+        attn.record = True
+    try:
+        with ctx:
+            raw_model(x, None, cu)
+    finally:
+        for attn in attns:
+            attn.record = False
+    for i, attn in enumerate(attns):
+        rec = attn.__dict__.pop("recorded")
+        g = rec["gate"].float()                                                # (B, T, HQ, 3) gate weights
+        norms = torch.stack([(g[..., b:b + 1] * rec[name].float()).norm() for b, name in enumerate(BRANCHES)])
         for b, name in enumerate(BRANCHES):
             stats[f"L{i}_gate_{name}_mean"] = g[..., b].mean().item()
             stats[f"L{i}_gate_{name}_std"] = g[..., b].std().item()

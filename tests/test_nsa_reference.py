@@ -248,6 +248,18 @@ def test_gate_starts_even_and_zero_initialised():
         torch.testing.assert_close(act, torch.full_like(act, expect))
 
 
+def test_record_keeps_gate_and_branch_outputs_that_rebuild_the_output():
+    layer = N.NSAAttention(nsa_config())
+    torch.nn.init.normal_(layer.gate[-1].weight)
+    x = rnd(1, 40, 32, seed=35)
+    layer.record = True
+    y = layer(x)
+    rec = layer.recorded
+    mix = sum(rec["gate"][..., b:b + 1] * rec[name] for b, name in enumerate(("cmp", "slc", "win")))  # (1, 40, 4, 8)
+    torch.testing.assert_close(layer.wo(mix.reshape(1, 40, 32)), y)
+    torch.testing.assert_close(rec["gate"].sum(-1), torch.ones(1, 40, 4))    # softmax over the three branches
+
+
 # ---------------------------------------------------------------------------------------------------- bad input
 
 def test_errors_name_the_argument():

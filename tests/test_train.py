@@ -77,6 +77,7 @@ def test_loss_decreases_and_logs(full_run):
         assert abs(sum(float(r[f"L1_gate_{b}_mean"]) for b in ("cmp", "slc", "win")) - 1) < 1e-3
         assert abs(sum(float(r[f"L1_share_{b}"]) for b in ("cmp", "slc", "win")) - 1) < 1e-3
     assert 0 < float(diag[0]["keys_per_query"]) <= 64 * 3
+    assert abs(float(diag[0]["L0_gate_slc_mean"]) - 1 / 3) < 0.05               # zero-initialised gate: even mix
 
 
 def test_checkpoint_and_export(full_run):
