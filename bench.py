@@ -32,7 +32,7 @@ reference = True  # our PyTorch reference (nsa_attention, backend="torch") for T
 ref_max_T = 8192
 check = True  # compare our output and grads with an fp32 reference at the smallest T first
 sweep = False  # time launch configs (num_warps, num_stages) of each kernel at the largest T
-profile = False  # per-kernel CUDA time of one forward+backward at the largest T
+profile = False  # per-kernel CUDA time of one forward+backward at the largest T (decode mode: of one step)
 warmup_ms = 25  # triton.testing.do_bench warmup (ms)
 rep_ms = 100  # triton.testing.do_bench repetitions (ms)
 csv = ""  # write the table here too
@@ -323,7 +323,8 @@ if mode == "layer":
 # -----------------------------------------------------------------------------
 # mode = "decode" (sample.py's section, issue 7): one decode step at cache length S, for S in decode_seqlens and each
 # batch size in decode_batches, HQ query heads. "attention" = nsa_attention.decode_attention (compressed ->
-# select_blocks -> selection -> window -> gate mix over a filled static cache), with its branches timed alone, against
+# select_blocks -> selection -> window -> gate mix over a filled static cache) with nsa_kernels' four launches and
+# with the torch reference, whose branches are also timed alone (--profile=True: the Triton step per kernel), against
 # dense F.scaled_dot_product_attention of one query over S cached keys (each SDPA backend that runs; the speedup is
 # over the fastest). "layer" = a whole NSAAttention.decode step (projections, cache writes, compression MLP,
 # attention, output projection) against DenseAttention.decode. Every timed function is compiled (inductor) and
@@ -383,6 +384,19 @@ def decode_check():
           f"({'ok' if err <= 1e-3 else 'FAIL'})")
 
 
+def _profile_decode(replay, S, b, reps=50):
+    """Where a decode step's time goes: CUDA time per kernel over `reps` graph replays (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    print(f"S={S} B={b} nsa decode (triton), CUDA us per step by kernel:")
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+        print(f"  {e.device_time_total / reps:8.2f}  {e.key[:90]}")
+
+
 def run_decode():
     global decode_seqlens, decode_batches
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -398,6 +412,7 @@ def run_decode():
     for S in decode_seqlens:
         for b in decode_batches:
             torch.manual_seed(seed)
+            torch._dynamo.reset()  # every shape compiles its own graphs: stay under dynamo's recompile limit
             reads = nsa_attention.decode_reads(S, cmp_block, cmp_stride, sel_block, n_select, window)
             dense_ms = {}
             with torch.no_grad():
@@ -423,18 +438,25 @@ def run_decode():
                 _, p, _ = decode_compressed(q, cache.k_cmp, cache.v_cmp, pos, cmp_block, cmp_stride, scale)
                 idx, _ = decode_select(p, pos, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local,
                                        cache.sel_score.shape[-1])
+                tri_cfg, ref_cfg = _decode_config(HQ, backend="triton"), _decode_config(HQ, backend="torch")
                 parts = {
-                    "nsa decode_attention": (lambda: nsa_attention.decode_attention(q, cache, pos, g, cfg), sum(reads)),
-                    "  compressed": (lambda: decode_compressed(q, cache.k_cmp, cache.v_cmp, pos, cmp_block, cmp_stride,
-                                                               scale), reads[0]),
-                    "  select_blocks": (lambda: decode_select(p, pos, cmp_block, cmp_stride, sel_block, n_select,
-                                                              n_init, n_local, cache.sel_score.shape[-1]), 0),
-                    "  selection": (lambda: decode_selection(q, cache.k_slc, cache.v_slc, idx, pos, sel_block, scale),
-                                    reads[1]),
-                    "  window": (lambda: decode_window(q, cache.k_win, cache.v_win, pos, scale), reads[2])}
+                    "nsa decode (triton)": (lambda: nsa_attention.decode_attention(q, cache, pos, g, tri_cfg),
+                                            sum(reads)),
+                    "nsa decode (torch ref)": (lambda: nsa_attention.decode_attention(q, cache, pos, g, ref_cfg),
+                                               sum(reads)),
+                    "  ref compressed": (lambda: decode_compressed(q, cache.k_cmp, cache.v_cmp, pos, cmp_block,
+                                                                   cmp_stride, scale), reads[0]),
+                    "  ref select_blocks": (lambda: decode_select(p, pos, cmp_block, cmp_stride, sel_block, n_select,
+                                                                  n_init, n_local, cache.sel_score.shape[-1]), 0),
+                    "  ref selection": (lambda: decode_selection(q, cache.k_slc, cache.v_slc, idx, pos, sel_block,
+                                                                 scale), reads[1]),
+                    "  ref window": (lambda: decode_window(q, cache.k_win, cache.v_win, pos, scale), reads[2])}
                 for name, (fn, n_read) in parts.items():
-                    ms = bench(_graphed(fn))
+                    replay = _graphed(fn)
+                    ms = bench(replay)
                     rows.append((S, b, "attention", name, ms, base / ms, n_read))
+                    if profile and cuda and name == "nsa decode (triton)":
+                        _profile_decode(replay, S, b)
                 del cache, q, p, idx, parts
                 if cuda:
                     torch.cuda.empty_cache()

@@ -1,6 +1,6 @@
 """Triton kernels for the compressed branch, block selection and the sliding window; the selection kernel lives in
-sel_kernel.py. nsa_attention.py's backend="triton" (and "auto" on CUDA) calls the three public functions at the bottom;
-tests/test_nsa_kernels.py checks them against its PyTorch reference. Ops: nsa::range_attn_fwd/bwd, nsa::select.
+sel_kernel.py. nsa_attention.py's backend="triton" (and "auto" on CUDA) calls the public functions at the bottom; tests
+(test_nsa_kernels.py, test_decode.py) check them against its PyTorch reference. Ops: nsa::range_attn_fwd/bwd, select, decode.
 """
 # Compressed and window attention are one kernel family ("range attention"): query row t reads the keys [lo(t), hi(t))
 # of a packed key array; key c is read by the queries [qlo(c), qhi(c)) (the same relation, seen from the key side).
@@ -606,6 +606,236 @@ def _(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# decode (issue 7): one query token per row over nsa_attention.nsa_cache, all G heads of a KV group in one [BG, D]
+# Q tile. Five launches, each parallel over the work it has; the reference is nsa_attention.decode_attention's torch path.
+#  1. _dec_cmp_kernel: split-K over the compressed cache: partial softmax (m, l, acc) per split, and the raw scores s
+#     (base 2) that step 2 turns into probabilities.
+#  2. _dec_score_kernel: per group and chunk of selection blocks: lse from the partials, p = 2^(s - lse) summed over
+#     the heads (Eq. 10) and mapped to selection blocks with the overlap weights (Eq. 9).
+#  3. _dec_topn_kernel: per group, forced blocks, then top-n by an int64 key (score bits, then the lower block),
+#     written ascending then -1.
+#  4. _dec_attend_kernel: one program per selected block and per chunk of the window ring: partial softmax.
+#  5. _dec_combine_kernel: per query head, merges each branch's partials and mixes the three with the gate.
+
+@triton.jit
+def _dec_step(b_q, b_k, b_v, valid, m_i, l_i, acc, scale_log2, PREC: tl.constexpr):
+    """One online-softmax step of a [BG, D] query tile over a [BN, D] key tile; returns the scores too.
+    PREC: "ieee" for fp32 caches (a decode step is memory-bound, so exact fp32 costs nothing), else "tf32"."""
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale_log2
+    b_s = tl.where(valid[None, :], b_s, float("-inf"))                    # [BG, BN]
+    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0., m_new)
+    alpha = tl.exp2(m_i - m_use)
+    b_p = tl.exp2(b_s - m_use[:, None])
+    acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)     # [BG, BDV]
+    return b_s, m_new, l_i * alpha + tl.sum(b_p, 1), acc
+
+
+@triton.jit
+def _dec_store_partial(m_out, l_out, acc_out, part, m_i, l_i, acc, G: tl.constexpr, BG: tl.constexpr,
+                       DV: tl.constexpr, BDV: tl.constexpr):
+    o_g, o_dv = tl.arange(0, BG), tl.arange(0, BDV)
+    tl.store(m_out + part * G + o_g, m_i, mask=o_g < G)
+    tl.store(l_out + part * G + o_g, l_i, mask=o_g < G)
+    tl.store(acc_out + (part * G + o_g)[:, None] * DV + o_dv[None, :], acc,
+             mask=(o_g < G)[:, None] & (o_dv < DV)[None, :])
+
+
+@triton.jit
+def _dec_load(base, rows, valid, D: tl.constexpr, BD: tl.constexpr):
+    o_d = tl.arange(0, BD)
+    return tl.load(base + rows.to(tl.int64)[:, None] * D + o_d[None, :], mask=valid[:, None] & (o_d < D)[None, :],
+                   other=0.)
+
+
+@triton.jit
+def _dec_cmp_kernel(q, k, v, pos, s_out, m_out, l_out, acc_out, scale_log2, TC, PER_SPLIT, NSPLIT, A, BB,
+                    H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                    BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    i_bh, i_s = tl.program_id(0), tl.program_id(1)
+    p = tl.load(pos + i_bh // H)
+    seen = tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), TC)  # compressed keys this row reads
+    o_g, o_n = tl.arange(0, BG), tl.arange(0, BN)
+    b_q = _dec_load(q + i_bh * G * D, o_g, o_g < G, D, BD)                # [BG, BD]
+    m_i = tl.full([BG], float("-inf"), tl.float32)
+    l_i = tl.zeros([BG], tl.float32)
+    acc = tl.zeros([BG, BDV], tl.float32)
+    kv_off = i_bh.to(tl.int64) * TC
+    end = tl.minimum(i_s * PER_SPLIT + PER_SPLIT, seen)
+    for c0 in range(i_s * PER_SPLIT, end, BN):
+        c = c0 + o_n                                                       # [BN] compressed key ids
+        b_k = _dec_load(k + kv_off * D, c, c < end, D, BD)
+        b_v = _dec_load(v + kv_off * DV, c, c < end, DV, BDV)
+        b_s, m_i, l_i, acc = _dec_step(b_q, b_k, b_v, c < end, m_i, l_i, acc, scale_log2, PREC)
+        tl.store(s_out + (i_bh * G + o_g).to(tl.int64)[:, None] * TC + c[None, :], b_s,
+                 mask=(o_g < G)[:, None] & (c < end)[None, :])
+    _dec_store_partial(m_out, l_out, acc_out, i_bh * NSPLIT + i_s, m_i, l_i, acc, G, BG, DV, BDV)
+
+
+@triton.jit
+def _dec_score_kernel(s_in, m_in, l_in, pos, score_out, TC, NSPLIT, NB, A, BB, LS, G: tl.constexpr,
+                      BG: tl.constexpr, H: tl.constexpr, BS: tl.constexpr, BJ: tl.constexpr):
+    i_bh, i_j = tl.program_id(0), tl.program_id(1)
+    p = tl.load(pos + i_bh // H)
+    seen = tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), TC)
+    o_s, o_g = tl.arange(0, BS), tl.arange(0, BG)
+    part = (i_bh * NSPLIT + o_s)[:, None] * G + o_g[None, :]                   # [BS, BG] partials of the heads
+    m_p = tl.load(m_in + part, mask=(o_s < NSPLIT)[:, None] & (o_g < G)[None, :], other=float("-inf"))
+    l_p = tl.load(l_in + part, mask=(o_s < NSPLIT)[:, None] & (o_g < G)[None, :], other=0.)
+    m = tl.max(m_p, 0)
+    m = tl.where(m == float("-inf"), 0., m)
+    l_sum = tl.sum(l_p * tl.exp2(m_p - m[None, :]), 0)
+    lse2 = m + tl.log2(tl.where(l_sum > 0., l_sum, 1.))                        # [BG] log2 softmax denominators
+    j = i_j * BJ + tl.arange(0, BJ)                                            # [BJ] selection blocks
+    R, L = LS // BB, A // BB
+    score = tl.zeros([BJ], tl.float32)
+    for kk in range(R + L - 1):                                                # Eq. 9: block j reads c = j*R - L + 1 + kk
+        c = j * R - L + 1 + kk
+        start = (kk - L + 1) * BB
+        wt = (tl.minimum(start + A, LS) - tl.maximum(start, 0)).to(tl.float32) / BB   # overlap / d
+        b_s = tl.load(s_in + (i_bh * G + o_g).to(tl.int64)[:, None] * TC + c[None, :],
+                      mask=(o_g < G)[:, None] & ((c >= 0) & (c < seen) & (j < NB))[None, :], other=float("-inf"))
+        score += wt * tl.sum(tl.exp2(b_s - lse2[:, None]), 0)                  # Eq. 10: sum over the group
+    tl.store(score_out + i_bh * NB + j, score, mask=j < NB)
+
+
+@triton.jit
+def _dec_topn_kernel(score_in, pos, idx_out, NB, LS, N_INIT, N_LOCAL, H: tl.constexpr, NS: tl.constexpr,
+                     BNS: tl.constexpr, BNB: tl.constexpr):
+    i_bh = tl.program_id(0)
+    p = tl.load(pos + i_bh // H)
+    j = tl.arange(0, BNB)
+    score = tl.load(score_in + i_bh * NB + j, mask=j < NB, other=0.)
+    tb = p // LS                                                               # block of the query itself
+    forced = (j < N_INIT) | ((j > tb - N_LOCAL) & (j <= tb))
+    score = tl.where(forced, float("inf"), score)
+    key = (score.to(tl.int32, bitcast=True).to(tl.int64) << 20) + ((1 << 20) - 1 - j)   # score >= 0: bits order
+    key = tl.where((j <= tb) & (j < NB), key, -1)
+    chosen = j < 0
+    for _ in range(NS):                                                        # top-n, one max at a time
+        top = tl.max(key, 0)
+        hit = (key == top) & (top >= 0)
+        chosen = chosen | hit
+        key = tl.where(hit, -1, key)
+    rank = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(idx_out + i_bh * NS + rank, j, mask=chosen)                       # ascending block ids
+    o_n = tl.arange(0, BNS)
+    tl.store(idx_out + i_bh * NS + o_n, tl.full([BNS], -1, tl.int32),
+             mask=(o_n >= tl.sum(chosen.to(tl.int32), 0)) & (o_n < NS))
+
+
+@triton.jit
+def _dec_attend_kernel(q, k_slc, v_slc, k_win, v_win, pos, idx, m_out, l_out, acc_out, scale_log2, S, W, LS,
+                       H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, NS: tl.constexpr, NP: tl.constexpr,
+                       D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
+                       PREC: tl.constexpr):
+    i_bh, i_p = tl.program_id(0), tl.program_id(1)
+    p = tl.load(pos + i_bh // H)
+    o_g, o_n = tl.arange(0, BG), tl.arange(0, BN)
+    b_q = _dec_load(q + i_bh * G * D, o_g, o_g < G, D, BD)                # [BG, BD]
+    if i_p < NS:                                                           # selected block idx[i_p]: tokens <= p
+        blk = tl.load(idx + i_bh * NS + i_p)
+        rows = blk * LS + o_n
+        valid = (o_n < LS) & (rows <= p) & (blk >= 0)
+        b_k = _dec_load(k_slc + i_bh.to(tl.int64) * S * D, rows, valid, D, BD)
+        b_v = _dec_load(v_slc + i_bh.to(tl.int64) * S * DV, rows, valid, DV, BDV)
+    else:                                                                  # window ring slots: position >= 0 held
+        rows = (i_p - NS) * BN + o_n
+        valid = (rows < W) & (p - ((p - rows) % W + W) % W >= 0)
+        b_k = _dec_load(k_win + i_bh.to(tl.int64) * W * D, rows, valid, D, BD)
+        b_v = _dec_load(v_win + i_bh.to(tl.int64) * W * DV, rows, valid, DV, BDV)
+    m_i = tl.full([BG], float("-inf"), tl.float32)
+    l_i = tl.zeros([BG], tl.float32)
+    acc = tl.zeros([BG, BDV], tl.float32)
+    _, m_i, l_i, acc = _dec_step(b_q, b_k, b_v, valid, m_i, l_i, acc, scale_log2, PREC)
+    _dec_store_partial(m_out, l_out, acc_out, i_bh * NP + i_p, m_i, l_i, acc, G, BG, DV, BDV)
+
+
+@triton.jit
+def _dec_merge(m_in, l_in, acc_in, first, rows, G: tl.constexpr, DV: tl.constexpr, BR: tl.constexpr,
+               BDV: tl.constexpr):
+    """Softmax-weighted merge of partials first + [0, rows) of one head (stride G): [BDV] fp32, 0 if it read no key."""
+    o_r, o_dv = tl.arange(0, BR), tl.arange(0, BDV)
+    m_p = tl.load(m_in + (first + o_r) * G, mask=o_r < rows, other=float("-inf"))     # [BR]
+    m = tl.max(m_p, 0)
+    w = tl.exp2(m_p - tl.where(m == float("-inf"), 0., m))
+    l_sum = tl.sum(w * tl.load(l_in + (first + o_r) * G, mask=o_r < rows, other=0.), 0)
+    acc = tl.load(acc_in + ((first + o_r) * G * DV)[:, None] + o_dv[None, :],
+                  mask=(o_r < rows)[:, None] & (o_dv < DV)[None, :], other=0.)      # [BR, BDV]
+    return tl.sum(w[:, None] * acc, 0) / tl.where(l_sum == 0., 1., l_sum)
+
+
+@triton.jit
+def _dec_combine_kernel(gate, o, m_c, l_c, acc_c, m_a, l_a, acc_a, NSPLIT, G: tl.constexpr, NS: tl.constexpr,
+                        NP: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr, BNS: tl.constexpr, BW: tl.constexpr,
+                        BDV: tl.constexpr):
+    i_hq = tl.program_id(0)                                                    # one query head
+    i_bh, g = i_hq // G, i_hq % G
+    o_cmp = _dec_merge(m_c + g, l_c + g, acc_c + g * DV, i_bh * NSPLIT, NSPLIT, G, DV, BS, BDV)
+    o_slc = _dec_merge(m_a + g, l_a + g, acc_a + g * DV, i_bh * NP, NS, G, DV, BNS, BDV)
+    o_win = _dec_merge(m_a + g, l_a + g, acc_a + g * DV, i_bh * NP + NS, NP - NS, G, DV, BW, BDV)
+    out = tl.load(gate + i_hq * 3) * o_cmp + tl.load(gate + i_hq * 3 + 1) * o_slc + tl.load(gate + i_hq * 3 + 2) * o_win
+    o_dv = tl.arange(0, BDV)
+    tl.store(o + i_hq * DV + o_dv, out, mask=o_dv < DV)
+
+
+DECODE_PROGRAMS = 512  # compressed split-K: aim for about this many programs (4 per SM of an H100)
+DECODE_BJ = 64  # selection blocks scored per program
+
+
+@torch.library.custom_op("nsa::decode", mutates_args=())
+def decode_op(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor,
+              k_win: torch.Tensor, v_win: torch.Tensor, pos: torch.Tensor, gate: torch.Tensor, cmp_block: int,
+              cmp_stride: int, sel_block: int, n_select: int, n_init: int, n_local: int, num_blocks: int,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, HQ, D = q.shape
+    H, TC, DV = k_cmp.shape[1], k_cmp.shape[2], v_cmp.shape[3]
+    S, W = k_slc.shape[2], k_win.shape[2]
+    G, dev, f32 = HQ // H, q.device, torch.float32
+    BG, BD, BDV = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D)), \
+        max(16, triton.next_power_of_2(DV))
+    BN = max(16, triton.next_power_of_2(sel_block))                   # keys per tile: one selection block
+    nsplit = min(triton.cdiv(TC, BN), triton.cdiv(DECODE_PROGRAMS, B * H))
+    per_split = triton.cdiv(triton.cdiv(TC, nsplit), BN) * BN
+    nsplit = triton.cdiv(TC, per_split)
+    NP = n_select + triton.cdiv(W, BN)                                 # attend partials: selected blocks + window
+    o = torch.empty(B, HQ, DV, device=dev, dtype=f32)
+    idx = torch.empty(B, H, n_select, device=dev, dtype=torch.int32)
+    score = torch.empty(B, H, num_blocks, device=dev, dtype=f32)
+    s = torch.empty(B * H, G, TC, device=dev, dtype=f32)
+    m_c, l_c = (torch.empty(B * H, nsplit, G, device=dev, dtype=f32) for _ in range(2))
+    acc_c = torch.empty(B * H, nsplit, G, DV, device=dev, dtype=f32)
+    m_a, l_a = (torch.empty(B * H, NP, G, device=dev, dtype=f32) for _ in range(2))
+    acc_a = torch.empty(B * H, NP, G, DV, device=dev, dtype=f32)
+    BS, BNS = max(2, triton.next_power_of_2(nsplit)), max(2, triton.next_power_of_2(n_select))
+    scale_log2 = scale * math.log2(math.e)
+    q, pos, gate = q.contiguous(), pos.contiguous(), gate.float().contiguous()
+    dims = dict(G=G, BG=BG, D=D, DV=DV, BD=BD, BDV=BDV, PREC="ieee" if q.dtype == torch.float32 else "tf32")
+    _dec_cmp_kernel[(B * H, nsplit)](q, k_cmp, v_cmp, pos, s, m_c, l_c, acc_c, scale_log2, TC, per_split, nsplit,
+                                     cmp_block, cmp_stride, H=H, BN=BN, **dims, num_warps=4)
+    _dec_score_kernel[(B * H, triton.cdiv(num_blocks, DECODE_BJ))](
+        s, m_c, l_c, pos, score, TC, nsplit, num_blocks, cmp_block, cmp_stride, sel_block, G=G, BG=BG, H=H, BS=BS,
+        BJ=DECODE_BJ, num_warps=4)
+    _dec_topn_kernel[(B * H,)](score, pos, idx, num_blocks, sel_block, n_init, n_local, H=H, NS=n_select, BNS=BNS,
+                               BNB=max(16, triton.next_power_of_2(num_blocks)), num_warps=4)
+    _dec_attend_kernel[(B * H, NP)](q, k_slc, v_slc, k_win, v_win, pos, idx, m_a, l_a, acc_a, scale_log2, S, W,
+                                    sel_block, H=H, NS=n_select, NP=NP, BN=BN, **dims, num_warps=4)
+    _dec_combine_kernel[(B * HQ,)](gate, o, m_c, l_c, acc_c, m_a, l_a, acc_a, nsplit, G=G, NS=n_select, NP=NP,
+                                   DV=DV, BS=BS, BNS=BNS, BW=max(2, triton.next_power_of_2(NP - n_select)),
+                                   BDV=BDV, num_warps=4)
+    return o, idx, score
+
+
+@decode_op.register_fake
+def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, pos, gate, cmp_block, cmp_stride, sel_block, n_select, n_init,
+      n_local, num_blocks, scale):
+    B, HQ, _ = q.shape
+    H = k_cmp.shape[1]
+    return (q.new_empty(B, HQ, v_cmp.shape[3], dtype=torch.float32), q.new_empty(B, H, n_select, dtype=torch.int32),
+            q.new_empty(B, H, num_blocks, dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # public functions (nsa_attention.py validates inputs before calling these)
 
 def compressed_attention_triton(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, cu_seqlens=None, cu_seqlens_cmp=None):
@@ -639,3 +869,14 @@ def select_blocks_triton(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select, n
                              cu_seqlens, cu_seqlens_cmp)[1]
     return select_op(q, k_cmp, lse.detach().float(), int(cmp_block), int(cmp_stride), int(sel_block), int(n_select),
                      int(n_init), int(n_local), float(scale), cu_seqlens, cu_seqlens_cmp)
+
+
+def decode_attention_triton(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, pos, gate, cmp_block, cmp_stride, sel_block,
+                            n_select, n_init, n_local, num_blocks, scale):
+    """One decode step of the three branches and the gate over an nsa_attention.nsa_cache (its reference is
+    nsa_attention.decode_attention's torch path). q (B, HQ, D) with RoPE; caches (B, H, slots, D) contiguous; pos (B,)
+    int64; gate (B, HQ, 3). Returns o (B, HQ, Dv) fp32, block ids int32 (B, H, n), Eq. 10 scores fp32 (B, H, nb)."""
+    if num_blocks >= 1 << 20:
+        raise ValueError(f"decode supports fewer than 2^20 selection blocks, got num_blocks={num_blocks}")
+    return decode_op(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, pos, gate, int(cmp_block), int(cmp_stride),
+                     int(sel_block), int(n_select), int(n_init), int(n_local), int(num_blocks), float(scale))

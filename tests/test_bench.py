@@ -31,9 +31,9 @@ def test_decode_mode(tmp_path):
     text, rows = run_bench(tmp_path, "--mode=decode")
     assert "decode check" in text and "(ok)" in text
     impls = {r["impl"] for r in rows}
-    assert {"nsa decode_attention", "nsa layer decode", "dense layer decode"} <= impls
+    assert {"nsa decode (triton)", "nsa decode (torch ref)", "nsa layer decode", "dense layer decode"} <= impls
     # reads column: SPEC.md's formula at S = 256 for the CPU shapes (l=16, d=8, l'=16, n=4, w=512)
-    assert next(r for r in rows if r["impl"] == "nsa decode_attention")["reads"] == str(31 + 64 + 256)
+    assert next(r for r in rows if r["impl"] == "nsa decode (triton)")["reads"] == str(31 + 64 + 256)
 
 
 @pytest.mark.slow

@@ -295,3 +295,85 @@ def test_select_step_ties_go_to_lower_block():
     idx, score = nsa.decode_select(p, torch.tensor([S - 1]), l, d, ls, n, 1, 2, nb)
     assert score[0, 0, 3] == score[0, 0, 9] == 0.5
     assert idx[0, 0].tolist() == [0, 3, nb - 2, nb - 1]                       # init, lowest tie, two local
+
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel tests: CUDA, else the Triton interpreter
+
+
+def random_cache(B, S, H, G, D, cfg, seed):
+    """A filled fp32 nsa_cache with sharp random keys (top-n far from ties), queries q (B, HQ, D) and a gate."""
+    torch.manual_seed(seed)
+    c = nsa.nsa_cache(B, S, H * G, H, D, cfg, DEV, torch.float32)
+    for name in ("k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp"):
+        getattr(c, name).normal_()
+    q = torch.randn(B, H * G, D, device=DEV) * 2
+    return c, q, torch.softmax(torch.randn(B, H * G, 3, device=DEV), -1)
+
+
+@pytest.mark.parametrize("G", range(1, 17), ids=lambda g: f"G{g}")
+def test_decode_kernel_matches_reference(G, monkeypatch):
+    # nsa_kernels.decode_attention_triton (TRITON_INTERPRET on CPU) == the torch step: output, blocks, scores, reads;
+    # rows at positions before the first compressed block, on emission boundaries, inside and past the window.
+    # Every buffer the kernel allocates is NaN-poisoned, so an unwritten element fails.
+    pytest.importorskip("triton")
+    D = 24 if G == 3 else 16
+    S = 150
+    ref_cfg = GPTConfig(**{**TINY, "n_select": 5 if G % 2 else 4})          # l=8 d=4 l'=16 w=32
+    tri_cfg = GPTConfig(**{**vars(ref_cfg), "backend": "triton"})
+    pos = torch.tensor([0, 6, 7, 11, 31, 33, 100, 149], device=DEV)
+    c, q, g = random_cache(len(pos), S, 2, G, D, ref_cfg, seed=G)
+    o_ref = nsa.decode_attention(q, c, pos, g, ref_cfg)
+    ref = {n: getattr(c, n).clone() for n in ("reads", "sel_idx", "sel_score")}
+    c.reads.fill_(-1), c.sel_idx.fill_(-7), c.sel_score.fill_(float("nan"))
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan") if kw.get(
+        "dtype", torch.float32).is_floating_point else -(1 << 30)))
+    o = nsa.decode_attention(q, c, pos, g, tri_cfg)
+    monkeypatch.setattr(torch, "empty", empty)
+    assert torch.equal(c.sel_idx, ref["sel_idx"])
+    assert torch.equal(c.reads, ref["reads"])
+    torch.testing.assert_close(c.sel_score, ref["sel_score"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_kernel_paper_defaults_long():
+    # the paper's l=32 d=16 l'=64 n=16 w=512 at S=3000 (several split-K chunks, partly filled window ring)
+    pytest.importorskip("triton")
+    ref_cfg = GPTConfig(**{**TINY, "cmp_block": 32, "cmp_stride": 16, "sel_block": 64, "n_select": 16,
+                           "window": 512})
+    pos = torch.tensor([300, 1055, 2999], device=DEV)
+    c, q, g = random_cache(len(pos), 3000, 2, 4, 32, ref_cfg, seed=1)
+    o_ref = nsa.decode_attention(q, c, pos, g, ref_cfg)
+    idx_ref, reads_ref = c.sel_idx.clone(), c.reads.clone()
+    o = nsa.decode_attention(q, c, pos, g, GPTConfig(**{**vars(ref_cfg), "backend": "triton"}))
+    assert torch.equal(c.sel_idx, idx_ref) and torch.equal(c.reads, reads_ref)
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_kernel_needle_64k():
+    # the needle cache through the Triton step (CUDA, or the interpreter): the needle's block is selected at far
+    # positions and the selected branch returns its value; poisoning every slot after pos changes nothing (causal)
+    pytest.importorskip("triton")
+    S, l, d, ls, n, w = 65536, 32, 16, 64, 16, 512
+    cfg = GPTConfig(**{**TINY, "cmp_block": l, "cmp_stride": d, "sel_block": ls, "n_select": n, "window": w,
+                       "backend": "triton"})
+    q, k_cmp, v_cmp, k, v, j = needle_cache(S, needle=3000)
+    pos = torch.tensor([(j + 3) * ls, 20000, 40037, S - 1])
+    B, HQ, D = len(pos), q.shape[1], q.shape[2]
+    c = nsa.nsa_cache(B, S, HQ, k.shape[1], D, cfg, DEV, torch.float32)
+    c.k_slc.copy_(k.expand(B, -1, -1, -1)), c.v_slc.copy_(v.expand(B, -1, -1, -1))
+    c.k_cmp.copy_(k_cmp.expand(B, -1, -1, -1)), c.v_cmp.copy_(v_cmp.expand(B, -1, -1, -1))
+    ring = nsa.ring_positions(pos + 1, w)                                      # (B, w) position in each window slot
+    c.k_win.copy_(k[0][:, ring].transpose(0, 1)), c.v_win.copy_(v[0][:, ring].transpose(0, 1))
+    qb, pos = q.expand(B, -1, -1).to(DEV), pos.to(DEV)
+    only_selected = torch.tensor([0.0, 1.0, 0.0], device=DEV).expand(B, HQ, 3)
+    o = nsa.decode_attention(qb, c, pos, only_selected, cfg)
+    assert (c.sel_idx == j).any(-1).all(), "needle block not selected"
+    assert (o - 5.0).abs().max() < 0.25, o[..., :4]
+    mix = torch.full((B, HQ, 3), 1 / 3, device=DEV)
+    clean, idx = nsa.decode_attention(qb, c, pos, mix, cfg), c.sel_idx.clone()
+    for b, t in enumerate(pos.tolist()):                                       # poison the future of each row
+        c.k_slc[b, :, t + 1:, 0], c.v_slc[b, :, t + 1:] = 1e4, 1e6
+        future = (t - l + 1) // d + 1                                          # first compressed block ending after t
+        c.k_cmp[b, :, future:, 0], c.v_cmp[b, :, future:] = 1e3, 1e6
+    assert torch.equal(nsa.decode_attention(qb, c, pos, mix, cfg), clean) and torch.equal(c.sel_idx, idx)
