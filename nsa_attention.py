@@ -683,26 +683,19 @@ def decode_attention(q, cache, pos, g, cfg):
     the step's reads, selected blocks, block scores and gate in the cache (counters, --plot_selection)."""
     c, scale, l, d, ls = cache, q.shape[-1] ** -0.5, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block
     B, H = c.reads.shape[:2]
+    c.gate.copy_(g)
     fast = _kernel(cfg.backend, q, "decode_attention_triton")
-    if fast is not None:  # nsa_kernels: the same step in four launches; the reads follow from pos and the blocks
-        o, idx, score = fast(q, c.k_cmp, c.v_cmp, c.k_slc, c.v_slc, c.k_win, c.v_win, pos, g, l, d, ls,
-                             cfg.n_select, cfg.n_init, cfg.n_local, c.sel_score.shape[-1], scale)
-        n_cmp = torch.where(pos + 1 < l, 0, torch.div(pos + 1 - l, d, rounding_mode="floor") + 1)   # (B,)
-        n_cmp = n_cmp.clamp_max(c.k_cmp.shape[2])
-        n_slc = ((pos[:, None, None] + 1 - idx * ls).clamp(0, ls) * (idx >= 0)).sum(-1)             # (B, H)
-        n_win = (pos + 1).clamp_max(c.k_win.shape[2])                          # (B,)
-    else:
-        o_cmp, p, n_cmp = decode_compressed(q, c.k_cmp, c.v_cmp, pos, l, d, scale)   # (B, HQ, Dv), (B, H, G, Tc)
-        idx, score = decode_select(p, pos, l, d, ls, cfg.n_select, cfg.n_init, cfg.n_local,
-                                   c.sel_score.shape[-1])                      # (B, H, n), (B, H, nb)
-        o_slc, n_slc = decode_selection(q, c.k_slc, c.v_slc, idx, pos, ls, scale)
-        o_win, n_win = decode_window(q, c.k_win, c.v_win, pos, scale)
-        o = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win    # (B, HQ, Dv)
+    if fast is not None:  # nsa_kernels: the same step in five launches, which also write reads, sel_idx, sel_score
+        return fast(q, c, pos, g, l, d, ls, cfg.n_select, cfg.n_init, cfg.n_local, scale)
+    o_cmp, p, n_cmp = decode_compressed(q, c.k_cmp, c.v_cmp, pos, l, d, scale)   # (B, HQ, Dv), (B, H, G, Tc)
+    idx, score = decode_select(p, pos, l, d, ls, cfg.n_select, cfg.n_init, cfg.n_local,
+                               c.sel_score.shape[-1])                          # (B, H, n), (B, H, nb)
+    o_slc, n_slc = decode_selection(q, c.k_slc, c.v_slc, idx, pos, ls, scale)
+    o_win, n_win = decode_window(q, c.k_win, c.v_win, pos, scale)
     c.reads.copy_(torch.stack([n_cmp[:, None].expand(B, H), n_slc, n_win[:, None].expand(B, H)], dim=-1))
     c.sel_idx.copy_(idx)
     c.sel_score.copy_(score)
-    c.gate.copy_(g)
-    return o
+    return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win    # (B, HQ, Dv)
 
 
 def decode_reads(S, cmp_block, cmp_stride, sel_block, n_select, window):

@@ -1,6 +1,6 @@
-"""Triton kernels for the compressed branch, block selection and the sliding window; the selection kernel lives in
-sel_kernel.py. nsa_attention.py's backend="triton" (and "auto" on CUDA) calls the public functions at the bottom; tests
-(test_nsa_kernels.py, test_decode.py) check them against its PyTorch reference. Ops: nsa::range_attn_fwd/bwd, select, decode.
+"""Triton kernels for the compressed branch, block selection, the sliding window and the decode step (the selection
+kernel is in sel_kernel.py). nsa_attention.py's backend="triton" ("auto" on CUDA) calls the public functions at the
+bottom; test_nsa_kernels.py and test_decode.py check them against its reference. Ops: nsa::range_attn_*, select, decode.
 """
 # Compressed and window attention are one kernel family ("range attention"): query row t reads the keys [lo(t), hi(t))
 # of a packed key array; key c is read by the queries [qlo(c), qhi(c)) (the same relation, seen from the key side).
@@ -607,7 +607,7 @@ def _(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local
 
 # ----------------------------------------------------------------------------------------------------------------
 # decode (issue 7): one query token per row over nsa_attention.nsa_cache, all G heads of a KV group in one [BG, D]
-# Q tile. Five launches, each parallel over the work it has; the reference is nsa_attention.decode_attention's torch path.
+# Q tile. Five launches, each parallel over its work; the reference is nsa_attention.decode_attention's torch path.
 #  1. _dec_cmp_kernel: split-K over the compressed cache: partial softmax (m, l, acc) per split, and the raw scores s
 #     (base 2) that step 2 turns into probabilities.
 #  2. _dec_score_kernel: per group and chunk of selection blocks: lse from the partials, p = 2^(s - lse) summed over
@@ -689,7 +689,7 @@ def _dec_score_kernel(s_in, m_in, l_in, pos, score_out, TC, NSPLIT, NB, A, BB, L
     j = i_j * BJ + tl.arange(0, BJ)                                            # [BJ] selection blocks
     R, L = LS // BB, A // BB
     score = tl.zeros([BJ], tl.float32)
-    for kk in range(R + L - 1):                                                # Eq. 9: block j reads c = j*R - L + 1 + kk
+    for kk in range(R + L - 1):                                 # Eq. 9: block j reads c = j*R - L + 1 + kk
         c = j * R - L + 1 + kk
         start = (kk - L + 1) * BB
         wt = (tl.minimum(start + A, LS) - tl.maximum(start, 0)).to(tl.float32) / BB   # overlap / d
@@ -700,8 +700,8 @@ def _dec_score_kernel(s_in, m_in, l_in, pos, score_out, TC, NSPLIT, NB, A, BB, L
 
 
 @triton.jit
-def _dec_topn_kernel(score_in, pos, idx_out, NB, LS, N_INIT, N_LOCAL, H: tl.constexpr, NS: tl.constexpr,
-                     BNS: tl.constexpr, BNB: tl.constexpr):
+def _dec_topn_kernel(score_in, pos, idx_out, reads_out, NB, LS, N_INIT, N_LOCAL, TC, A, BB, W, H: tl.constexpr,
+                     NS: tl.constexpr, BNS: tl.constexpr, BNB: tl.constexpr):
     i_bh = tl.program_id(0)
     p = tl.load(pos + i_bh // H)
     j = tl.arange(0, BNB)
@@ -722,6 +722,10 @@ def _dec_topn_kernel(score_in, pos, idx_out, NB, LS, N_INIT, N_LOCAL, H: tl.cons
     o_n = tl.arange(0, BNS)
     tl.store(idx_out + i_bh * NS + o_n, tl.full([BNS], -1, tl.int32),
              mask=(o_n >= tl.sum(chosen.to(tl.int32), 0)) & (o_n < NS))
+    # tokens this group read per branch: visible compressed blocks, the chosen blocks' tokens <= p, the window
+    tl.store(reads_out + i_bh * 3, tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), TC).to(tl.int64))
+    tl.store(reads_out + i_bh * 3 + 1, tl.sum(tl.where(chosen, tl.minimum(tl.maximum(p + 1 - j * LS, 0), LS), 0), 0))
+    tl.store(reads_out + i_bh * 3 + 2, tl.minimum(p + 1, W).to(tl.int64))
 
 
 @triton.jit
@@ -783,15 +787,15 @@ DECODE_PROGRAMS = 512  # compressed split-K: aim for about this many programs (4
 DECODE_BJ = 64  # selection blocks scored per program
 
 
-@torch.library.custom_op("nsa::decode", mutates_args=())
+@torch.library.custom_op("nsa::decode", mutates_args=("idx", "score", "reads"))
 def decode_op(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor,
-              k_win: torch.Tensor, v_win: torch.Tensor, pos: torch.Tensor, gate: torch.Tensor, cmp_block: int,
-              cmp_stride: int, sel_block: int, n_select: int, n_init: int, n_local: int, num_blocks: int,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              k_win: torch.Tensor, v_win: torch.Tensor, pos: torch.Tensor, gate: torch.Tensor, idx: torch.Tensor,
+              score: torch.Tensor, reads: torch.Tensor, cmp_block: int, cmp_stride: int, sel_block: int,
+              n_select: int, n_init: int, n_local: int, scale: float) -> torch.Tensor:
     B, HQ, D = q.shape
     H, TC, DV = k_cmp.shape[1], k_cmp.shape[2], v_cmp.shape[3]
     S, W = k_slc.shape[2], k_win.shape[2]
-    G, dev, f32 = HQ // H, q.device, torch.float32
+    G, dev, f32, num_blocks = HQ // H, q.device, torch.float32, score.shape[-1]
     BG, BD, BDV = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D)), \
         max(16, triton.next_power_of_2(DV))
     BN = max(16, triton.next_power_of_2(sel_block))                   # keys per tile: one selection block
@@ -800,8 +804,6 @@ def decode_op(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: 
     nsplit = triton.cdiv(TC, per_split)
     NP = n_select + triton.cdiv(W, BN)                                 # attend partials: selected blocks + window
     o = torch.empty(B, HQ, DV, device=dev, dtype=f32)
-    idx = torch.empty(B, H, n_select, device=dev, dtype=torch.int32)
-    score = torch.empty(B, H, num_blocks, device=dev, dtype=f32)
     s = torch.empty(B * H, G, TC, device=dev, dtype=f32)
     m_c, l_c = (torch.empty(B * H, nsplit, G, device=dev, dtype=f32) for _ in range(2))
     acc_c = torch.empty(B * H, nsplit, G, DV, device=dev, dtype=f32)
@@ -816,23 +818,21 @@ def decode_op(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: 
     _dec_score_kernel[(B * H, triton.cdiv(num_blocks, DECODE_BJ))](
         s, m_c, l_c, pos, score, TC, nsplit, num_blocks, cmp_block, cmp_stride, sel_block, G=G, BG=BG, H=H, BS=BS,
         BJ=DECODE_BJ, num_warps=4)
-    _dec_topn_kernel[(B * H,)](score, pos, idx, num_blocks, sel_block, n_init, n_local, H=H, NS=n_select, BNS=BNS,
+    _dec_topn_kernel[(B * H,)](score, pos, idx, reads, num_blocks, sel_block, n_init, n_local, TC, cmp_block,
+                               cmp_stride, W, H=H, NS=n_select, BNS=BNS,
                                BNB=max(16, triton.next_power_of_2(num_blocks)), num_warps=4)
     _dec_attend_kernel[(B * H, NP)](q, k_slc, v_slc, k_win, v_win, pos, idx, m_a, l_a, acc_a, scale_log2, S, W,
                                     sel_block, H=H, NS=n_select, NP=NP, BN=BN, **dims, num_warps=4)
     _dec_combine_kernel[(B * HQ,)](gate, o, m_c, l_c, acc_c, m_a, l_a, acc_a, nsplit, G=G, NS=n_select, NP=NP,
                                    DV=DV, BS=BS, BNS=BNS, BW=max(2, triton.next_power_of_2(NP - n_select)),
                                    BDV=BDV, num_warps=4)
-    return o, idx, score
+    return o
 
 
 @decode_op.register_fake
-def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, pos, gate, cmp_block, cmp_stride, sel_block, n_select, n_init,
-      n_local, num_blocks, scale):
-    B, HQ, _ = q.shape
-    H = k_cmp.shape[1]
-    return (q.new_empty(B, HQ, v_cmp.shape[3], dtype=torch.float32), q.new_empty(B, H, n_select, dtype=torch.int32),
-            q.new_empty(B, H, num_blocks, dtype=torch.float32))
+def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, pos, gate, idx, score, reads, cmp_block, cmp_stride, sel_block,
+      n_select, n_init, n_local, scale):
+    return q.new_empty(q.shape[0], q.shape[1], v_cmp.shape[3], dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -871,12 +871,13 @@ def select_blocks_triton(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select, n
                      int(n_init), int(n_local), float(scale), cu_seqlens, cu_seqlens_cmp)
 
 
-def decode_attention_triton(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, pos, gate, cmp_block, cmp_stride, sel_block,
-                            n_select, n_init, n_local, num_blocks, scale):
+def decode_attention_triton(q, cache, pos, gate, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale):
     """One decode step of the three branches and the gate over an nsa_attention.nsa_cache (its reference is
-    nsa_attention.decode_attention's torch path). q (B, HQ, D) with RoPE; caches (B, H, slots, D) contiguous; pos (B,)
-    int64; gate (B, HQ, 3). Returns o (B, HQ, Dv) fp32, block ids int32 (B, H, n), Eq. 10 scores fp32 (B, H, nb)."""
-    if num_blocks >= 1 << 20:
-        raise ValueError(f"decode supports fewer than 2^20 selection blocks, got num_blocks={num_blocks}")
-    return decode_op(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, pos, gate, int(cmp_block), int(cmp_stride),
-                     int(sel_block), int(n_select), int(n_init), int(n_local), int(num_blocks), float(scale))
+    nsa_attention.decode_attention's torch path). q (B, HQ, D) with RoPE, pos (B,) int64, gate (B, HQ, 3). Returns o
+    (B, HQ, Dv) fp32 and writes the cache's sel_idx (B, H, n), sel_score (B, H, nb) (Eq. 10) and reads (B, H, 3)."""
+    c = cache
+    if c.sel_score.shape[-1] >= 1 << 20:
+        raise ValueError(f"decode supports fewer than 2^20 selection blocks, got {c.sel_score.shape[-1]}")
+    return decode_op(q, c.k_cmp, c.v_cmp, c.k_slc, c.v_slc, c.k_win, c.v_win, pos, gate, c.sel_idx, c.sel_score,
+                     c.reads, int(cmp_block), int(cmp_stride), int(sel_block), int(n_select), int(n_init),
+                     int(n_local), float(scale))
