@@ -26,6 +26,7 @@ class GPTConfig:
     attn: str = "nsa"              # "nsa" | "dense"
     tie_embeddings: bool = True
     ignore_index: int = -1         # targets equal to this are left out of the loss
+    dropout: float = 0.0           # on the embedding and each residual branch while training (off in eval/decode)
     rope_theta: float = 10000.0
     # NSA (SPEC.md): l, d, l', n, forced blocks, w, gate activation, phi's hidden size, kernel backend
     cmp_block: int = 32
@@ -136,10 +137,11 @@ class Block(nn.Module):
         self.norm1, self.norm2 = RMSNorm(config.n_embd), RMSNorm(config.n_embd)
         self.attn = NSAAttention(config) if config.attn == "nsa" else DenseAttention(config)
         self.mlp = MLP(config)
+        self.dropout = config.dropout
 
     def forward(self, x, cu_seqlens=None):
-        x = x + self.attn(self.norm1(x), cu_seqlens)
-        return x + self.mlp(self.norm2(x))
+        x = x + F.dropout(self.attn(self.norm1(x), cu_seqlens), self.dropout, self.training)
+        return x + F.dropout(self.mlp(self.norm2(x)), self.dropout, self.training)
 
 
 class GPT(nn.Module):
@@ -147,6 +149,8 @@ class GPT(nn.Module):
         super().__init__()
         if config.attn not in ("nsa", "dense"):
             raise ValueError(f"attn must be 'nsa' or 'dense', got {config.attn!r}")
+        if not 0.0 <= config.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {config.dropout}")
         if not 0 < config.vocab_size <= 65536:
             raise ValueError(f"vocab_size must be in [1, 65536] (uint16 tokens), got {config.vocab_size}")
         self.config = config
@@ -184,7 +188,7 @@ class GPT(nn.Module):
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"targets must be (B, T) = {tuple(idx.shape)}, got {tuple(targets.shape)}")
         _check_cu_seqlens(cu_seqlens, B, T, idx.device)
-        x = self.wte(idx)                                                      # (B, T, C)
+        x = F.dropout(self.wte(idx), self.config.dropout, self.training)       # (B, T, C)
         for block in self.blocks:
             x = block(x, cu_seqlens)
         logits = self.lm_head(self.norm(x))                                    # (B, T, vocab)

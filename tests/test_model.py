@@ -87,6 +87,8 @@ def test_model_errors():
         tiny("linear")
     with pytest.raises(ValueError, match="vocab_size must be"):
         tiny("dense", vocab_size=70000)
+    with pytest.raises(ValueError, match="dropout must be in"):
+        tiny("nsa", dropout=1.0)
     model = tiny("dense")
     with pytest.raises(ValueError, match="idx must be"):
         model(torch.zeros(5, dtype=torch.long))
@@ -94,3 +96,15 @@ def test_model_errors():
         model(torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="cu_seqlens must end at T=5"):
         model(torch.zeros(1, 5, dtype=torch.long), cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("attn", ["nsa", "dense"])
+def test_dropout_only_while_training(attn):
+    # dropout on the embedding and the residual branches: random in train mode, off in eval mode (evaluation, decode)
+    model, plain = tiny(attn, dropout=0.3), tiny(attn)                        # same seed: same weights
+    idx = torch.randint(0, 257, (2, 40), generator=torch.Generator().manual_seed(2))
+    model.eval(), plain.eval()
+    assert torch.equal(model(idx)[0], plain(idx)[0])
+    model.train()
+    a, b = model(idx)[0], model(idx)[0]
+    assert not torch.allclose(a, b) and not torch.allclose(a, plain(idx)[0])
