@@ -34,6 +34,7 @@ save_every = 500  # steps between checkpoints (one is always written at the end,
 max_seconds = 0.0  # stop cleanly (with a checkpoint) after this many seconds of training; 0 = no limit
 eval_only = False  # evaluate once and exit
 export = True  # write model.safetensors + config.json at the end
+compare_dir = ""  # another run's out_dir (e.g. the dense twin): loss.png also draws its curves, at equal steps
 seed = 1337  # model init and the data stream; same seed, same device, same flags -> same run
 # data
 batch_size = 16  # sequences per micro-batch per rank
@@ -49,6 +50,7 @@ mlp_hidden = 0  # SwiGLU hidden size; 0 = 8/3 * n_embd rounded up to a multiple 
 attn = "nsa"  # 'nsa' | 'dense'
 tie_embeddings = True  # lm_head shares the token embedding
 rope_theta = 10000.0  # RoPE base
+dropout = 0.0  # on the embedding and each residual branch (training only); >0 for small data that a model memorises
 cmp_block = 16  # NSA l: compression block length
 cmp_stride = 8  # NSA d: compression stride
 sel_block = 32  # NSA l': selection block length
@@ -74,6 +76,9 @@ min_lr = 1e-4  # learning rate after lr_decay_iters
 device = "auto"  # 'auto' (cuda if available) | 'cpu' | 'cuda' | 'cuda:1'
 dtype = "bfloat16"  # autocast dtype: 'bfloat16' | 'float16' (with GradScaler) | 'float32' (no autocast)
 compile = True  # torch.compile(model, dynamic=False, fullgraph=True) for training and eval
+compile_mode = "default"  # torch.compile mode; 'reduce-overhead' replays CUDA graphs (on one H100, track A's NSA step
+# went from 65 to 20 ms: at T=1024 its many small kernels leave the GPU waiting for Python); 'max-autotune' (also
+# CUDA graphs, plus autotuned matmuls)
 activation_checkpointing = False  # recompute each block in the backward: less memory, ~1/3 more compute
 nan_at_step = -1  # testing only: make the loss NaN at this step to exercise the NaN guard; -1 = never
 # -----------------------------------------------------------------------------
@@ -87,6 +92,8 @@ if dtype not in ("bfloat16", "float16", "float32"):
 if min(batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every, save_every) < 1:
     raise ValueError("batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every and "
                      "save_every must be >= 1")
+if compile_mode not in ("default", "reduce-overhead", "max-autotune"):
+    raise ValueError(f"compile_mode must be 'default', 'reduce-overhead' or 'max-autotune', got {compile_mode!r}")
 if doc_batches and batch_size * block_size >= 2**31:
     raise ValueError(f"doc_batches needs batch_size * block_size < 2**31, got {batch_size * block_size}")
 
@@ -111,6 +118,10 @@ if gradient_accumulation_steps % world:
     raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
                      f"world size {world}")
 accum = gradient_accumulation_steps // world  # micro-batches per step on this rank
+if compile and compile_mode != "default" and accum > 1:
+    raise ValueError(f"compile_mode={compile_mode!r} (CUDA graphs) needs one micro-batch per rank and step, got "
+                     f"gradient_accumulation_steps={gradient_accumulation_steps} over {world} rank(s): the graph's "
+                     f"gradients live in its memory pool, which the next micro-batch overwrites before they are summed")
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = "cuda" if device.startswith("cuda") else "cpu"
 torch.manual_seed(seed)
@@ -170,8 +181,8 @@ def get_batch(data, gen):
 # -----------------------------------------------------------------------------
 # model: from scratch or from out_dir/ckpt.pt (its architecture wins over the config's)
 model_keys = ["block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "attn", "tie_embeddings",
-              "rope_theta", "cmp_block", "cmp_stride", "sel_block", "n_select", "n_init", "n_local", "window", "gate",
-              "cmp_hidden", "backend"]
+              "rope_theta", "dropout", "cmp_block", "cmp_stride", "sel_block", "n_select", "n_init", "n_local",
+              "window", "gate", "cmp_hidden", "backend"]
 model_args = dict(vocab_size=meta["vocab_size"], **{k: globals()[k] for k in model_keys})
 iter_num, best_val_loss, ckpt = 0, float("inf"), None
 if init_from == "resume":
@@ -205,9 +216,17 @@ if ckpt is not None:
     ckpt = None  # free the memory
 raw_model = model
 if compile:
-    model = torch.compile(model, dynamic=False, fullgraph=True)
+    model = torch.compile(model, dynamic=False, fullgraph=True, mode=compile_mode)
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
+
+
+def forward(x, y, cu):
+    """(logits, loss) of the training model. Under CUDA graphs each call starts a new graph step, which may overwrite
+    the last call's outputs: callers use each loss before the next call."""
+    if compile and compile_mode != "default":
+        torch.compiler.cudagraph_mark_step_begin()
+    return model(x, y, cu)
 
 
 @torch.no_grad()
@@ -221,7 +240,7 @@ def estimate_loss():
             if i % world == rank:
                 x, y, cu = draw(data, gen)
                 with ctx:
-                    total += torch.stack([model(x, y, cu)[1].float(), torch.ones((), device=device)])
+                    total += torch.stack([forward(x, y, cu)[1].float(), torch.ones((), device=device)])
             else:
                 skip(data, gen)
         if ddp:
@@ -251,14 +270,17 @@ BRANCHES = ("cmp", "slc", "win")
 def nsa_stats(x, cu):
     """Per layer and branch: gate mean/std over tokens and heads, and the branch's share of the gated output norm,
     ||g_b * o_b|| / sum_b' ||g_b' * o_b'||. From an eager no-grad forward of raw_model on one micro-batch, with each
-    NSAAttention recording its gate weights (B, T, HQ, 3) and branch outputs (B, T, HQ, D)."""
+    NSAAttention recording its gate weights (B, T, HQ, 3) and branch outputs (B, T, HQ, D). In eval mode: no dropout,
+    so the statistics draw no random numbers and the run is the same whatever diag_every is."""
     stats, attns = {}, [block.attn for block in raw_model.blocks]
     for attn in attns:
         attn.record = True
+    raw_model.eval()
     try:
         with ctx:
             raw_model(x, None, cu)
     finally:
+        raw_model.train()
         for attn in attns:
             attn.record = False
     for i, attn in enumerate(attns):
@@ -305,13 +327,18 @@ def plot_losses():
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    with open(log_path) as f:
-        rows = list(csv.DictReader(f))
+    runs = [(log_path, model_args["attn"])]
+    if compare_dir and os.path.exists(os.path.join(compare_dir, "train_log.csv")):
+        runs.append((os.path.join(compare_dir, "train_log.csv"), os.path.basename(os.path.normpath(compare_dir))))
     fig, ax = plt.subplots(figsize=(7, 4))
-    for kind, key, label in (("train", "loss", "train (per step)"), ("eval", "val_loss", "val")):
-        pts = [(int(r["step"]), float(r[key])) for r in rows if r["kind"] == kind and r[key]]
-        if pts:
-            ax.plot(*zip(*pts), label=label, marker="o" if kind == "eval" else None)
+    for n, (path, name) in enumerate(runs):
+        with open(path) as f:
+            rows = list(csv.DictReader(f))
+        for kind, key, label in (("train", "loss", "train (per step)"), ("eval", "val_loss", "val")):
+            pts = [(int(r["step"]), float(r[key])) for r in rows if r["kind"] == kind and r[key]]
+            if pts:
+                ax.plot(*zip(*pts), label=f"{name} {label}", marker="o" if kind == "eval" else None,
+                        color=f"C{2 * n + (kind == 'eval')}", alpha=1.0 if kind == "eval" else 0.5)
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{model_args['attn']}, T={block_size}")
     ax.legend()
     fig.tight_layout()
@@ -414,7 +441,7 @@ while True:
         if ddp:
             model.require_backward_grad_sync = micro_step == accum - 1
         with ctx:
-            _, loss = model(X, Y, CU)
+            _, loss = forward(X, Y, CU)
             if iter_num == nan_at_step:
                 loss = loss * float("nan")
             loss = loss / accum
