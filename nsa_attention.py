@@ -683,10 +683,10 @@ def decode_attention(q, cache, pos, g, cfg):
     the step's reads, selected blocks, block scores and gate in the cache (counters, --plot_selection)."""
     c, scale, l, d, ls = cache, q.shape[-1] ** -0.5, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block
     B, H = c.reads.shape[:2]
-    c.gate.copy_(g)
     fast = _kernel(cfg.backend, q, "decode_attention_triton")
-    if fast is not None:  # nsa_kernels: the same step in five launches, which also write reads, sel_idx, sel_score
+    if fast is not None:  # nsa_kernels: the same step in five launches, which also fill reads, sel_idx, sel_score, gate
         return fast(q, c, pos, g, l, d, ls, cfg.n_select, cfg.n_init, cfg.n_local, scale)
+    c.gate.copy_(g)
     o_cmp, p, n_cmp = decode_compressed(q, c.k_cmp, c.v_cmp, pos, l, d, scale)   # (B, HQ, Dv), (B, H, G, Tc)
     idx, score = decode_select(p, pos, l, d, ls, cfg.n_select, cfg.n_init, cfg.n_local,
                                c.sel_score.shape[-1])                          # (B, H, n), (B, H, nb)

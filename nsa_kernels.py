@@ -770,37 +770,46 @@ def _dec_merge(m_in, l_in, acc_in, first, rows, G: tl.constexpr, DV: tl.constexp
 
 
 @triton.jit
-def _dec_combine_kernel(gate, o, m_c, l_c, acc_c, m_a, l_a, acc_a, NSPLIT, G: tl.constexpr, NS: tl.constexpr,
-                        NP: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr, BNS: tl.constexpr, BW: tl.constexpr,
-                        BDV: tl.constexpr):
+def _dec_combine_kernel(gate, gate_out, o, m_c, l_c, acc_c, m_a, l_a, acc_a, NSPLIT, G: tl.constexpr,
+                        NS: tl.constexpr, NP: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr, BNS: tl.constexpr,
+                        BW: tl.constexpr, BDV: tl.constexpr):
     i_hq = tl.program_id(0)                                                    # one query head
     i_bh, g = i_hq // G, i_hq % G
     o_cmp = _dec_merge(m_c + g, l_c + g, acc_c + g * DV, i_bh * NSPLIT, NSPLIT, G, DV, BS, BDV)
     o_slc = _dec_merge(m_a + g, l_a + g, acc_a + g * DV, i_bh * NP, NS, G, DV, BNS, BDV)
     o_win = _dec_merge(m_a + g, l_a + g, acc_a + g * DV, i_bh * NP + NS, NP - NS, G, DV, BW, BDV)
-    out = tl.load(gate + i_hq * 3) * o_cmp + tl.load(gate + i_hq * 3 + 1) * o_slc + tl.load(gate + i_hq * 3 + 2) * o_win
+    g_cmp, g_slc, g_win = tl.load(gate + i_hq * 3), tl.load(gate + i_hq * 3 + 1), tl.load(gate + i_hq * 3 + 2)
+    tl.store(gate_out + i_hq * 3, g_cmp)                                       # the cache keeps the step's gate
+    tl.store(gate_out + i_hq * 3 + 1, g_slc)
+    tl.store(gate_out + i_hq * 3 + 2, g_win)
     o_dv = tl.arange(0, BDV)
-    tl.store(o + i_hq * DV + o_dv, out, mask=o_dv < DV)
+    tl.store(o + i_hq * DV + o_dv, g_cmp * o_cmp + g_slc * o_slc + g_win * o_win, mask=o_dv < DV)
 
 
-DECODE_PROGRAMS = 512  # compressed split-K: aim for about this many programs (4 per SM of an H100)
-DECODE_BJ = 64  # selection blocks scored per program
+# launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
+# keys per tile, score_blocks = selection blocks scored per program, *_warps / cmp_stages = Triton launch options.
+# Swept on one H100 (2026-11-23, S=64k and 128k, B=8, HQ=64, H=4, D=128, bf16): only attend_warps=8 moved the step
+# (-1 us); 2-8 selected blocks per attend program in a loop instead of one were 3-40% slower
+DECODE_CONFIG = dict(programs=512, cmp_keys=64, cmp_warps=4, cmp_stages=3, score_blocks=64, topn_warps=4,
+                     attend_warps=8, combine_warps=4)
 
 
-@torch.library.custom_op("nsa::decode", mutates_args=("idx", "score", "reads"))
+@torch.library.custom_op("nsa::decode", mutates_args=("idx", "score", "reads", "gate_out"))
 def decode_op(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor,
               k_win: torch.Tensor, v_win: torch.Tensor, pos: torch.Tensor, gate: torch.Tensor, idx: torch.Tensor,
-              score: torch.Tensor, reads: torch.Tensor, cmp_block: int, cmp_stride: int, sel_block: int,
-              n_select: int, n_init: int, n_local: int, scale: float) -> torch.Tensor:
+              score: torch.Tensor, reads: torch.Tensor, gate_out: torch.Tensor, cmp_block: int, cmp_stride: int,
+              sel_block: int, n_select: int, n_init: int, n_local: int, scale: float) -> torch.Tensor:
     B, HQ, D = q.shape
     H, TC, DV = k_cmp.shape[1], k_cmp.shape[2], v_cmp.shape[3]
     S, W = k_slc.shape[2], k_win.shape[2]
     G, dev, f32, num_blocks = HQ // H, q.device, torch.float32, score.shape[-1]
     BG, BD, BDV = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D)), \
         max(16, triton.next_power_of_2(DV))
-    BN = max(16, triton.next_power_of_2(sel_block))                   # keys per tile: one selection block
-    nsplit = min(triton.cdiv(TC, BN), triton.cdiv(DECODE_PROGRAMS, B * H))
-    per_split = triton.cdiv(triton.cdiv(TC, nsplit), BN) * BN
+    cfg = DECODE_CONFIG
+    BN = max(16, triton.next_power_of_2(sel_block))                   # attend's keys per tile: one selection block
+    BC = cfg["cmp_keys"]                                               # compressed keys per tile
+    nsplit = min(triton.cdiv(TC, BC), triton.cdiv(cfg["programs"], B * H))
+    per_split = triton.cdiv(triton.cdiv(TC, nsplit), BC) * BC
     nsplit = triton.cdiv(TC, per_split)
     NP = n_select + triton.cdiv(W, BN)                                 # attend partials: selected blocks + window
     o = torch.empty(B, HQ, DV, device=dev, dtype=f32)
@@ -814,24 +823,25 @@ def decode_op(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: 
     q, pos, gate = q.contiguous(), pos.contiguous(), gate.float().contiguous()
     dims = dict(G=G, BG=BG, D=D, DV=DV, BD=BD, BDV=BDV, PREC="ieee" if q.dtype == torch.float32 else "tf32")
     _dec_cmp_kernel[(B * H, nsplit)](q, k_cmp, v_cmp, pos, s, m_c, l_c, acc_c, scale_log2, TC, per_split, nsplit,
-                                     cmp_block, cmp_stride, H=H, BN=BN, **dims, num_warps=4)
-    _dec_score_kernel[(B * H, triton.cdiv(num_blocks, DECODE_BJ))](
+                                     cmp_block, cmp_stride, H=H, BN=BC, **dims, num_warps=cfg["cmp_warps"],
+                                     num_stages=cfg["cmp_stages"])
+    _dec_score_kernel[(B * H, triton.cdiv(num_blocks, cfg["score_blocks"]))](
         s, m_c, l_c, pos, score, TC, nsplit, num_blocks, cmp_block, cmp_stride, sel_block, G=G, BG=BG, H=H, BS=BS,
-        BJ=DECODE_BJ, num_warps=4)
+        BJ=cfg["score_blocks"], num_warps=4)
     _dec_topn_kernel[(B * H,)](score, pos, idx, reads, num_blocks, sel_block, n_init, n_local, TC, cmp_block,
                                cmp_stride, W, H=H, NS=n_select, BNS=BNS,
-                               BNB=max(16, triton.next_power_of_2(num_blocks)), num_warps=4)
+                               BNB=max(16, triton.next_power_of_2(num_blocks)), num_warps=cfg["topn_warps"])
     _dec_attend_kernel[(B * H, NP)](q, k_slc, v_slc, k_win, v_win, pos, idx, m_a, l_a, acc_a, scale_log2, S, W,
-                                    sel_block, H=H, NS=n_select, NP=NP, BN=BN, **dims, num_warps=4)
-    _dec_combine_kernel[(B * HQ,)](gate, o, m_c, l_c, acc_c, m_a, l_a, acc_a, nsplit, G=G, NS=n_select, NP=NP,
-                                   DV=DV, BS=BS, BNS=BNS, BW=max(2, triton.next_power_of_2(NP - n_select)),
-                                   BDV=BDV, num_warps=4)
+                                    sel_block, H=H, NS=n_select, NP=NP, BN=BN, **dims, num_warps=cfg["attend_warps"])
+    _dec_combine_kernel[(B * HQ,)](gate, gate_out, o, m_c, l_c, acc_c, m_a, l_a, acc_a, nsplit, G=G, NS=n_select,
+                                   NP=NP, DV=DV, BS=BS, BNS=BNS, BW=max(2, triton.next_power_of_2(NP - n_select)),
+                                   BDV=BDV, num_warps=cfg["combine_warps"])
     return o
 
 
 @decode_op.register_fake
-def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, pos, gate, idx, score, reads, cmp_block, cmp_stride, sel_block,
-      n_select, n_init, n_local, scale):
+def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, pos, gate, idx, score, reads, gate_out, cmp_block, cmp_stride,
+      sel_block, n_select, n_init, n_local, scale):
     return q.new_empty(q.shape[0], q.shape[1], v_cmp.shape[3], dtype=torch.float32)
 
 
@@ -874,10 +884,11 @@ def select_blocks_triton(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select, n
 def decode_attention_triton(q, cache, pos, gate, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale):
     """One decode step of the three branches and the gate over an nsa_attention.nsa_cache (its reference is
     nsa_attention.decode_attention's torch path). q (B, HQ, D) with RoPE, pos (B,) int64, gate (B, HQ, 3). Returns o
-    (B, HQ, Dv) fp32 and writes the cache's sel_idx (B, H, n), sel_score (B, H, nb) (Eq. 10) and reads (B, H, 3)."""
+    (B, HQ, Dv) fp32 and writes the cache's sel_idx (B, H, n), sel_score (B, H, nb) (Eq. 10), reads (B, H, 3) and gate
+    (B, HQ, 3)."""
     c = cache
     if c.sel_score.shape[-1] >= 1 << 20:
         raise ValueError(f"decode supports fewer than 2^20 selection blocks, got {c.sel_score.shape[-1]}")
     return decode_op(q, c.k_cmp, c.v_cmp, c.k_slc, c.v_slc, c.k_win, c.v_win, pos, gate, c.sel_idx, c.sel_score,
-                     c.reads, int(cmp_block), int(cmp_stride), int(sel_block), int(n_select), int(n_init),
+                     c.reads, c.gate, int(cmp_block), int(cmp_stride), int(sel_block), int(n_select), int(n_init),
                      int(n_local), float(scale))

@@ -323,8 +323,8 @@ def test_decode_kernel_matches_reference(G, monkeypatch):
     pos = torch.tensor([0, 6, 7, 11, 31, 33, 100, 149], device=DEV)
     c, q, g = random_cache(len(pos), S, 2, G, D, ref_cfg, seed=G)
     o_ref = nsa.decode_attention(q, c, pos, g, ref_cfg)
-    ref = {n: getattr(c, n).clone() for n in ("reads", "sel_idx", "sel_score")}
-    c.reads.fill_(-1), c.sel_idx.fill_(-7), c.sel_score.fill_(float("nan"))
+    ref = {n: getattr(c, n).clone() for n in ("reads", "sel_idx", "sel_score", "gate")}
+    c.reads.fill_(-1), c.sel_idx.fill_(-7), c.sel_score.fill_(float("nan")), c.gate.fill_(float("nan"))
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan") if kw.get(
         "dtype", torch.float32).is_floating_point else -(1 << 30)))
@@ -332,6 +332,7 @@ def test_decode_kernel_matches_reference(G, monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
     assert torch.equal(c.sel_idx, ref["sel_idx"])
     assert torch.equal(c.reads, ref["reads"])
+    assert torch.equal(c.gate, ref["gate"])
     torch.testing.assert_close(c.sel_score, ref["sel_score"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
 
