@@ -77,8 +77,7 @@ device = "auto"  # 'auto' (cuda if available) | 'cpu' | 'cuda' | 'cuda:1'
 dtype = "bfloat16"  # autocast dtype: 'bfloat16' | 'float16' (with GradScaler) | 'float32' (no autocast)
 compile = True  # torch.compile(model, dynamic=False, fullgraph=True) for training and eval
 compile_mode = "default"  # torch.compile mode; 'reduce-overhead' replays CUDA graphs (on one H100, track A's NSA step
-# went from 65 to 20 ms: at T=1024 its many small kernels leave the GPU waiting for Python); 'max-autotune' (also
-# CUDA graphs, plus autotuned matmuls)
+# went from 65 to 20 ms: at T=1024 its many small kernels leave the GPU waiting for Python)
 activation_checkpointing = False  # recompute each block in the backward: less memory, ~1/3 more compute
 nan_at_step = -1  # testing only: make the loss NaN at this step to exercise the NaN guard; -1 = never
 # -----------------------------------------------------------------------------
@@ -92,8 +91,8 @@ if dtype not in ("bfloat16", "float16", "float32"):
 if min(batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every, save_every) < 1:
     raise ValueError("batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every and "
                      "save_every must be >= 1")
-if compile_mode not in ("default", "reduce-overhead", "max-autotune"):
-    raise ValueError(f"compile_mode must be 'default', 'reduce-overhead' or 'max-autotune', got {compile_mode!r}")
+if compile_mode not in ("default", "reduce-overhead"):
+    raise ValueError(f"compile_mode must be 'default' or 'reduce-overhead', got {compile_mode!r}")
 if doc_batches and batch_size * block_size >= 2**31:
     raise ValueError(f"doc_batches needs batch_size * block_size < 2**31, got {batch_size * block_size}")
 
@@ -118,7 +117,7 @@ if gradient_accumulation_steps % world:
     raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
                      f"world size {world}")
 accum = gradient_accumulation_steps // world  # micro-batches per step on this rank
-if compile and compile_mode != "default" and accum > 1:
+if compile and compile_mode == "reduce-overhead" and accum > 1:
     raise ValueError(f"compile_mode={compile_mode!r} (CUDA graphs) needs one micro-batch per rank and step, got "
                      f"gradient_accumulation_steps={gradient_accumulation_steps} over {world} rank(s): the graph's "
                      f"gradients live in its memory pool, which the next micro-batch overwrites before they are summed")
@@ -224,7 +223,7 @@ if ddp:
 def forward(x, y, cu):
     """(logits, loss) of the training model. Under CUDA graphs each call starts a new graph step, which may overwrite
     the last call's outputs: callers use each loss before the next call."""
-    if compile and compile_mode != "default":
+    if compile and compile_mode == "reduce-overhead":
         torch.compiler.cudagraph_mark_step_begin()
     return model(x, y, cu)
 
