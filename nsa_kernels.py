@@ -788,8 +788,8 @@ def _dec_combine_kernel(gate, gate_out, o, m_c, l_c, acc_c, m_a, l_a, acc_a, NSP
 
 # launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
 # keys per tile, score_blocks = selection blocks scored per program, *_warps / cmp_stages = Triton launch options.
-# Swept on one H100 (2026-11-23, S=64k and 128k, B=8, HQ=64, H=4, D=128, bf16): only attend_warps=8 moved the step
-# (-1 us); 2-8 selected blocks per attend program in a loop instead of one were 3-40% slower
+# Swept on one H100 (2026-11-23, S=64k and 128k, B=8, HQ=64, H=4, D=128, bf16): no setting saved more than 2 us of the
+# ~85 us step (attend_warps=8 saved ~1); 2-8 selected blocks per attend program in a loop were 3-40% slower
 DECODE_CONFIG = dict(programs=512, cmp_keys=64, cmp_warps=4, cmp_stages=3, score_blocks=64, topn_warps=4,
                      attend_warps=8, combine_warps=4)
 
