@@ -684,7 +684,7 @@ def decode_attention(q, cache, pos, g, cfg):
     c, scale, l, d, ls = cache, q.shape[-1] ** -0.5, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block
     B, H = c.reads.shape[:2]
     fast = _kernel(cfg.backend, q, "decode_attention_triton")
-    if fast is not None:  # nsa_kernels: the same step in five launches, which also fill reads, sel_idx, sel_score, gate
+    if fast is not None:  # nsa_kernels: the same step in four launches, which also fill reads, sel_idx, sel_score, gate
         return fast(q, c, pos, g, l, d, ls, cfg.n_select, cfg.n_init, cfg.n_local, scale)
     c.gate.copy_(g)
     o_cmp, p, n_cmp = decode_compressed(q, c.k_cmp, c.v_cmp, pos, l, d, scale)   # (B, HQ, Dv), (B, H, G, Tc)

@@ -607,15 +607,16 @@ def _(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local
 
 # ----------------------------------------------------------------------------------------------------------------
 # decode (issue 7): one query token per row over nsa_attention.nsa_cache, all G heads of a KV group in one [BG, D]
-# Q tile. Five launches, each parallel over its work; the reference is nsa_attention.decode_attention's torch path.
-#  1. _dec_cmp_kernel: split-K over the compressed cache: partial softmax (m, l, acc) per split, and the raw scores s
-#     (base 2) that step 2 turns into probabilities.
-#  2. _dec_score_kernel: per group and chunk of selection blocks: lse from the partials, p = 2^(s - lse) summed over
-#     the heads (Eq. 10) and mapped to selection blocks with the overlap weights (Eq. 9).
-#  3. _dec_topn_kernel: per group, forced blocks, then top-n by an int64 key (score bits, then the lower block),
-#     written ascending then -1.
-#  4. _dec_attend_kernel: one program per selected block and per chunk of the window ring: partial softmax.
-#  5. _dec_combine_kernel: per query head, merges each branch's partials and mixes the three with the gate.
+# Q tile. Four launches, each parallel over its work; the reference is nsa_attention.decode_attention's torch path.
+# Each group's partial softmaxes (m, l, acc) share one buffer: [compressed splits | window chunks | selected tiles].
+#  1. _dec_cmp_kernel: split-K over the compressed cache (partials, and the raw scores s, base 2, for step 2), plus
+#     programs over chunks of the window ring, which needs no selection and so runs here, off the dependent chain.
+#  2. _dec_score_kernel: per group and chunk of selection blocks: lse from the compressed partials, p = 2^(s - lse)
+#     summed over the heads (Eq. 10) and mapped to selection blocks (Eq. 9); then the chunk's own top-n candidates
+#     (the group's top-n are among the union of its chunks' top-n).
+#  3. _dec_attend_kernel: per group and attend_blocks (2) selected blocks: top-n over the candidates (forced first, then
+#     by score, ties to the lower block), then one online-softmax step over those blocks' tokens <= pos.
+#  4. _dec_combine_kernel: per query head, one softmax merge per branch of its partials, mixed by the gate.
 
 @triton.jit
 def _dec_step(b_q, b_k, b_v, valid, m_i, l_i, acc, scale_log2, PREC: tl.constexpr):
@@ -649,37 +650,52 @@ def _dec_load(base, rows, valid, D: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _dec_cmp_kernel(q, k, v, pos, s_out, m_out, l_out, acc_out, scale_log2, TC, PER_SPLIT, NSPLIT, A, BB,
-                    H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                    BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
-    i_bh, i_s = tl.program_id(0), tl.program_id(1)
+def _dec_seen(p, A, BB, TC):
+    """Compressed keys a query at position p reads: blocks i with i*d + l - 1 <= p."""
+    return tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), TC)
+
+
+@triton.jit
+def _dec_cmp_kernel(q, k, v, k_win, v_win, pos, s_out, m_out, l_out, acc_out, scale_log2, TC, PER_SPLIT, NSPLIT, A,
+                    BB, W, WN, NPART, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
+                    DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    i_bh, i_s = tl.program_id(0), tl.program_id(1)                         # i_s < NSPLIT: compressed, else window
     p = tl.load(pos + i_bh // H)
-    seen = tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), TC)  # compressed keys this row reads
     o_g, o_n = tl.arange(0, BG), tl.arange(0, BN)
     b_q = _dec_load(q + i_bh * G * D, o_g, o_g < G, D, BD)                # [BG, BD]
     m_i = tl.full([BG], float("-inf"), tl.float32)
     l_i = tl.zeros([BG], tl.float32)
     acc = tl.zeros([BG, BDV], tl.float32)
-    kv_off = i_bh.to(tl.int64) * TC
-    end = tl.minimum(i_s * PER_SPLIT + PER_SPLIT, seen)
-    for c0 in range(i_s * PER_SPLIT, end, BN):
-        c = c0 + o_n                                                       # [BN] compressed key ids
-        b_k = _dec_load(k + kv_off * D, c, c < end, D, BD)
-        b_v = _dec_load(v + kv_off * DV, c, c < end, DV, BDV)
-        b_s, m_i, l_i, acc = _dec_step(b_q, b_k, b_v, c < end, m_i, l_i, acc, scale_log2, PREC)
+    is_cmp = i_s < NSPLIT
+    if is_cmp:                                                             # compressed keys [start, end)
+        start = i_s * PER_SPLIT
+        end = tl.minimum(start + PER_SPLIT, _dec_seen(p, A, BB, TC)).to(tl.int32)
+        k_g, v_g = k + i_bh.to(tl.int64) * TC * D, v + i_bh.to(tl.int64) * TC * DV
+    else:                                                                  # window ring slots [start, end)
+        start = (i_s - NSPLIT) * WN
+        end = tl.minimum(start + WN, W).to(tl.int32)
+        k_g, v_g = k_win + i_bh.to(tl.int64) * W * D, v_win + i_bh.to(tl.int64) * W * DV
+    for c0 in range(start, end, BN):
+        c = c0 + o_n                                                       # [BN] compressed keys / ring slots
+        # ring slot c holds a position >= 0 iff c <= p; a compressed key c < seen always has c <= p
+        valid = (c < end) & (c <= p)
+        b_k = _dec_load(k_g, c, valid, D, BD)                              # [BN, BD]
+        b_v = _dec_load(v_g, c, valid, DV, BDV)                            # [BN, BDV]
+        b_s, m_i, l_i, acc = _dec_step(b_q, b_k, b_v, valid, m_i, l_i, acc, scale_log2, PREC)
         tl.store(s_out + (i_bh * G + o_g).to(tl.int64)[:, None] * TC + c[None, :], b_s,
-                 mask=(o_g < G)[:, None] & (c < end)[None, :])
-    _dec_store_partial(m_out, l_out, acc_out, i_bh * NSPLIT + i_s, m_i, l_i, acc, G, BG, DV, BDV)
+                 mask=(o_g < G)[:, None] & (c < end)[None, :] & is_cmp)
+    _dec_store_partial(m_out, l_out, acc_out, i_bh * NPART + i_s, m_i, l_i, acc, G, BG, DV, BDV)
 
 
 @triton.jit
-def _dec_score_kernel(s_in, m_in, l_in, pos, score_out, TC, NSPLIT, NB, A, BB, LS, G: tl.constexpr,
-                      BG: tl.constexpr, H: tl.constexpr, BS: tl.constexpr, BJ: tl.constexpr):
+def _dec_score_kernel(s_in, m_in, l_in, pos, score_out, cand_out, TC, NSPLIT, NPART, NB, NCHUNK, A, BB, LS, N_INIT,
+                      N_LOCAL, G: tl.constexpr, BG: tl.constexpr, H: tl.constexpr, BS: tl.constexpr,
+                      BJ: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr):
     i_bh, i_j = tl.program_id(0), tl.program_id(1)
     p = tl.load(pos + i_bh // H)
-    seen = tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), TC)
+    seen = _dec_seen(p, A, BB, TC)
     o_s, o_g = tl.arange(0, BS), tl.arange(0, BG)
-    part = (i_bh * NSPLIT + o_s)[:, None] * G + o_g[None, :]                   # [BS, BG] partials of the heads
+    part = (i_bh * NPART + o_s)[:, None] * G + o_g[None, :]                    # [BS, BG] compressed partials
     m_p = tl.load(m_in + part, mask=(o_s < NSPLIT)[:, None] & (o_g < G)[None, :], other=float("-inf"))
     l_p = tl.load(l_in + part, mask=(o_s < NSPLIT)[:, None] & (o_g < G)[None, :], other=0.)
     m = tl.max(m_p, 0)
@@ -695,103 +711,101 @@ def _dec_score_kernel(s_in, m_in, l_in, pos, score_out, TC, NSPLIT, NB, A, BB, L
         wt = (tl.minimum(start + A, LS) - tl.maximum(start, 0)).to(tl.float32) / BB   # overlap / d
         b_s = tl.load(s_in + (i_bh * G + o_g).to(tl.int64)[:, None] * TC + c[None, :],
                       mask=(o_g < G)[:, None] & ((c >= 0) & (c < seen) & (j < NB))[None, :], other=float("-inf"))
-        score += wt * tl.sum(tl.exp2(b_s - lse2[:, None]), 0)                  # Eq. 10: sum over the group
+        score += wt * tl.sum(tl.exp2(b_s.to(tl.float32) - lse2[:, None]), 0)  # Eq. 10: sum over the group
     tl.store(score_out + i_bh * NB + j, score, mask=j < NB)
-
-
-@triton.jit
-def _dec_topn_kernel(score_in, pos, idx_out, reads_out, NB, LS, N_INIT, N_LOCAL, TC, A, BB, W, H: tl.constexpr,
-                     NS: tl.constexpr, BNS: tl.constexpr, BNB: tl.constexpr):
-    i_bh = tl.program_id(0)
-    p = tl.load(pos + i_bh // H)
-    j = tl.arange(0, BNB)
-    score = tl.load(score_in + i_bh * NB + j, mask=j < NB, other=0.)
+    # candidates: an int64 key per block (score bits, then the lower block; forced blocks score inf, blocks after
+    # the query's own -1), and this chunk's top-n keys by counting the larger keys of each (no serial passes)
     tb = p // LS                                                               # block of the query itself
     forced = (j < N_INIT) | ((j > tb - N_LOCAL) & (j <= tb))
     score = tl.where(forced, float("inf"), score)
     key = (score.to(tl.int32, bitcast=True).to(tl.int64) << 20) + ((1 << 20) - 1 - j)   # score >= 0: bits order
-    key = tl.where((j <= tb) & (j < NB), key, -1)
-    chosen = j < 0
+    key = tl.where((j <= tb) & (j < NB), key, -1)                              # [BJ]
+    larger = tl.sum((key[:, None] > key[None, :]).to(tl.int32), 0)            # [BJ] keys above each key
+    top = (larger < NS) & (key >= 0)
+    rank = tl.cumsum(top.to(tl.int32), 0) - 1
+    out = cand_out + (i_bh * NCHUNK + i_j) * NS                                # ascending blocks, then -1
+    tl.store(out + rank, key, mask=top)
+    o_n = tl.arange(0, BNS)
+    tl.store(out + o_n, tl.full([BNS], -1, tl.int64), mask=(o_n >= tl.sum(top.to(tl.int32), 0)) & (o_n < NS))
+
+
+@triton.jit
+def _dec_attend_kernel(q, k_slc, v_slc, pos, cand, idx_out, reads_out, m_out, l_out, acc_out, scale_log2, S, W, LS,
+                       NCAND, A, BB, TC, FIRST, NPART, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+                       NS: tl.constexpr, BNS: tl.constexpr, SB: tl.constexpr, BCAND: tl.constexpr,
+                       D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
+                       PREC: tl.constexpr):
+    i_bh, i_p = tl.program_id(0), tl.program_id(1)                         # selected blocks SB*i_p .. SB*i_p + SB-1
+    p = tl.load(pos + i_bh // H)
+    o_c = tl.arange(0, BCAND)
+    key = tl.load(cand + i_bh * NCAND + o_c, mask=o_c < NCAND, other=-1)      # [BCAND] ascending blocks, -1 holes
+    j = ((1 << 20) - 1 - (key & ((1 << 20) - 1))).to(tl.int32)                # [BCAND] their block ids
+    chosen = o_c < 0
     for _ in range(NS):                                                        # top-n, one max at a time
         top = tl.max(key, 0)
         hit = (key == top) & (top >= 0)
         chosen = chosen | hit
         key = tl.where(hit, -1, key)
-    rank = tl.cumsum(chosen.to(tl.int32), 0) - 1
-    tl.store(idx_out + i_bh * NS + rank, j, mask=chosen)                       # ascending block ids
-    o_n = tl.arange(0, BNS)
-    tl.store(idx_out + i_bh * NS + o_n, tl.full([BNS], -1, tl.int32),
-             mask=(o_n >= tl.sum(chosen.to(tl.int32), 0)) & (o_n < NS))
-    # tokens this group read per branch: visible compressed blocks, the chosen blocks' tokens <= p, the window
-    tl.store(reads_out + i_bh * 3, tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), TC).to(tl.int64))
-    tl.store(reads_out + i_bh * 3 + 1, tl.sum(tl.where(chosen, tl.minimum(tl.maximum(p + 1 - j * LS, 0), LS), 0), 0))
-    tl.store(reads_out + i_bh * 3 + 2, tl.minimum(p + 1, W).to(tl.int64))
-
-
-@triton.jit
-def _dec_attend_kernel(q, k_slc, v_slc, k_win, v_win, pos, idx, m_out, l_out, acc_out, scale_log2, S, W, LS,
-                       H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, NS: tl.constexpr, NP: tl.constexpr,
-                       D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
-                       PREC: tl.constexpr):
-    i_bh, i_p = tl.program_id(0), tl.program_id(1)
-    p = tl.load(pos + i_bh // H)
-    o_g, o_n = tl.arange(0, BG), tl.arange(0, BN)
-    b_q = _dec_load(q + i_bh * G * D, o_g, o_g < G, D, BD)                # [BG, BD]
-    if i_p < NS:                                                           # selected block idx[i_p]: tokens <= p
-        blk = tl.load(idx + i_bh * NS + i_p)
-        rows = blk * LS + o_n
-        valid = (o_n < LS) & (rows <= p) & (blk >= 0)
-        b_k = _dec_load(k_slc + i_bh.to(tl.int64) * S * D, rows, valid, D, BD)
-        b_v = _dec_load(v_slc + i_bh.to(tl.int64) * S * DV, rows, valid, DV, BDV)
-    else:                                                                  # window ring slots: position >= 0 held
-        rows = (i_p - NS) * BN + o_n
-        valid = (rows < W) & (p - ((p - rows) % W + W) % W >= 0)
-        b_k = _dec_load(k_win + i_bh.to(tl.int64) * W * D, rows, valid, D, BD)
-        b_v = _dec_load(v_win + i_bh.to(tl.int64) * W * DV, rows, valid, DV, BDV)
+    rank = tl.cumsum(chosen.to(tl.int32), 0) - 1                               # [BCAND] order of the chosen blocks
+    if i_p == 0:                                                               # idx ascending then -1, and reads
+        tl.store(idx_out + i_bh * NS + rank, j, mask=chosen)
+        o_n = tl.arange(0, BNS)
+        tl.store(idx_out + i_bh * NS + o_n, tl.full([BNS], -1, tl.int32),
+                 mask=(o_n >= tl.sum(chosen.to(tl.int32), 0)) & (o_n < NS))
+        # tokens this group read per branch: visible compressed blocks, the chosen blocks' tokens <= p, the window
+        tl.store(reads_out + i_bh * 3, _dec_seen(p, A, BB, TC).to(tl.int64))
+        tl.store(reads_out + i_bh * 3 + 1,
+                 tl.sum(tl.where(chosen, tl.minimum(tl.maximum(p + 1 - j * LS, 0), LS), 0), 0).to(tl.int64))
+        tl.store(reads_out + i_bh * 3 + 2, tl.minimum(p + 1, W).to(tl.int64))
+    o_g, o_r = tl.arange(0, BG), tl.arange(0, SB * BN)
+    blk = tl.full([SB * BN], -1, tl.int32)                                     # [SB*BN] block of each tile row
+    for b in tl.static_range(SB):
+        blk = tl.where(o_r // BN == b, tl.max(tl.where(chosen & (rank == SB * i_p + b), j, -1), 0), blk)
+    rows = blk * LS + o_r % BN                                                 # [SB*BN] tokens: those <= p
+    valid = (o_r % BN < LS) & (rows <= p) & (blk >= 0)
+    b_q = _dec_load(q + i_bh * G * D, o_g, o_g < G, D, BD)                    # [BG, BD]
+    b_k = _dec_load(k_slc + i_bh.to(tl.int64) * S * D, rows, valid, D, BD)    # [SB*BN, BD]
+    b_v = _dec_load(v_slc + i_bh.to(tl.int64) * S * DV, rows, valid, DV, BDV)
     m_i = tl.full([BG], float("-inf"), tl.float32)
     l_i = tl.zeros([BG], tl.float32)
     acc = tl.zeros([BG, BDV], tl.float32)
     _, m_i, l_i, acc = _dec_step(b_q, b_k, b_v, valid, m_i, l_i, acc, scale_log2, PREC)
-    _dec_store_partial(m_out, l_out, acc_out, i_bh * NP + i_p, m_i, l_i, acc, G, BG, DV, BDV)
+    _dec_store_partial(m_out, l_out, acc_out, i_bh * NPART + FIRST + i_p, m_i, l_i, acc, G, BG, DV, BDV)
 
 
 @triton.jit
-def _dec_merge(m_in, l_in, acc_in, first, rows, G: tl.constexpr, DV: tl.constexpr, BR: tl.constexpr,
-               BDV: tl.constexpr):
-    """Softmax-weighted merge of partials first + [0, rows) of one head (stride G): [BDV] fp32, 0 if it read no key."""
-    o_r, o_dv = tl.arange(0, BR), tl.arange(0, BDV)
-    m_p = tl.load(m_in + (first + o_r) * G, mask=o_r < rows, other=float("-inf"))     # [BR]
-    m = tl.max(m_p, 0)
-    w = tl.exp2(m_p - tl.where(m == float("-inf"), 0., m))
-    l_sum = tl.sum(w * tl.load(l_in + (first + o_r) * G, mask=o_r < rows, other=0.), 0)
-    acc = tl.load(acc_in + ((first + o_r) * G * DV)[:, None] + o_dv[None, :],
-                  mask=(o_r < rows)[:, None] & (o_dv < DV)[None, :], other=0.)      # [BR, BDV]
-    return tl.sum(w[:, None] * acc, 0) / tl.where(l_sum == 0., 1., l_sum)
-
-
-@triton.jit
-def _dec_combine_kernel(gate, gate_out, o, m_c, l_c, acc_c, m_a, l_a, acc_a, NSPLIT, G: tl.constexpr,
-                        NS: tl.constexpr, NP: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr, BNS: tl.constexpr,
-                        BW: tl.constexpr, BDV: tl.constexpr):
+def _dec_combine_kernel(gate, gate_out, o, m_in, l_in, acc_in, NSPLIT, NWIN, NPART, G: tl.constexpr,
+                        DV: tl.constexpr, BP: tl.constexpr, BDV: tl.constexpr):
     i_hq = tl.program_id(0)                                                    # one query head
     i_bh, g = i_hq // G, i_hq % G
-    o_cmp = _dec_merge(m_c + g, l_c + g, acc_c + g * DV, i_bh * NSPLIT, NSPLIT, G, DV, BS, BDV)
-    o_slc = _dec_merge(m_a + g, l_a + g, acc_a + g * DV, i_bh * NP, NS, G, DV, BNS, BDV)
-    o_win = _dec_merge(m_a + g, l_a + g, acc_a + g * DV, i_bh * NP + NS, NP - NS, G, DV, BW, BDV)
-    g_cmp, g_slc, g_win = tl.load(gate + i_hq * 3), tl.load(gate + i_hq * 3 + 1), tl.load(gate + i_hq * 3 + 2)
-    tl.store(gate_out + i_hq * 3, g_cmp)                                       # the cache keeps the step's gate
-    tl.store(gate_out + i_hq * 3 + 1, g_slc)
-    tl.store(gate_out + i_hq * 3 + 2, g_win)
-    o_dv = tl.arange(0, BDV)
-    tl.store(o + i_hq * DV + o_dv, g_cmp * o_cmp + g_slc * o_slc + g_win * o_win, mask=o_dv < DV)
+    o_r, o_dv = tl.arange(0, BP), tl.arange(0, BDV)
+    row = (i_bh * NPART + o_r) * G + g                                         # [BP] this head's partials
+    m_p = tl.load(m_in + row, mask=o_r < NPART, other=float("-inf"))
+    l_p = tl.load(l_in + row, mask=o_r < NPART, other=0.)
+    acc = tl.load(acc_in + row.to(tl.int64)[:, None] * DV + o_dv[None, :],
+                  mask=(o_r < NPART)[:, None] & (o_dv < DV)[None, :], other=0.)   # [BP, BDV]
+    branch = tl.where(o_r < NSPLIT, 0, tl.where(o_r < NSPLIT + NWIN, 2, 1))    # gate column: cmp 0, slc 1, win 2
+    out = tl.zeros([BDV], tl.float32)
+    for b in tl.static_range(3):                                               # softmax merge of one branch
+        in_b = (branch == b) & (o_r < NPART)
+        m = tl.max(tl.where(in_b, m_p, float("-inf")), 0)
+        w = tl.where(in_b, tl.exp2(m_p - tl.where(m == float("-inf"), 0., m)), 0.)   # [BP]
+        l_b = tl.sum(w * l_p, 0)
+        g_b = tl.load(gate + i_hq * 3 + b)
+        tl.store(gate_out + i_hq * 3 + b, g_b)                                 # the cache keeps the step's gate
+        out += g_b * tl.sum(w[:, None] * acc, 0) / tl.where(l_b == 0., 1., l_b)   # 0 if the branch read no key
+    tl.store(o + i_hq * DV + o_dv, out, mask=o_dv < DV)
 
 
 # launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
-# keys per tile, score_blocks = selection blocks scored per program, *_warps / cmp_stages = Triton launch options.
-# Swept on one H100 (2026-11-23, S=64k and 128k, B=8, HQ=64, H=4, D=128, bf16): no setting saved more than 2 us of the
-# ~85 us step (attend_warps=8 saved ~1); 2-8 selected blocks per attend program in a loop were 3-40% slower
-DECODE_CONFIG = dict(programs=512, cmp_keys=64, cmp_warps=4, cmp_stages=3, score_blocks=64, topn_warps=4,
-                     attend_warps=8, combine_warps=4)
+# keys per tile, window_keys = ring slots per window program, score_blocks = selection blocks per score program,
+# attend_blocks = selected blocks per attend program (one gathered tile), *_warps / cmp_stages = Triton options (the
+# combine kernel loads all partials of a head at once and takes one warp per 4096 of them: 1 at 64k / B=8).
+# Swept on one H100 (2026-11-23, S=64k and 128k, B=8, HQ=64, H=4, D=128, bf16; ~71 us step at 64k): attend_blocks
+# 1 -> 2 saved 4 us, combine warps 4 -> 1 3 us (and fp16 raw scores 1.6 us); programs, cmp_keys, cmp_warps,
+# cmp_stages, score_blocks, score_warps, window_keys moved it by < 1 us at 64k (cmp_stages=4: -2.4 us at 128k).
+DECODE_CONFIG = dict(programs=512, cmp_keys=64, cmp_warps=4, cmp_stages=3, window_keys=64, score_blocks=32,
+                     score_warps=4, attend_blocks=2, attend_warps=8)
 
 
 @torch.library.custom_op("nsa::decode", mutates_args=("idx", "score", "reads", "gate_out"))
@@ -806,36 +820,38 @@ def decode_op(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: 
     BG, BD, BDV = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D)), \
         max(16, triton.next_power_of_2(DV))
     cfg = DECODE_CONFIG
-    BN = max(16, triton.next_power_of_2(sel_block))                   # attend's keys per tile: one selection block
-    BC = cfg["cmp_keys"]                                               # compressed keys per tile
+    BC, WN, BJ, SB = cfg["cmp_keys"], cfg["window_keys"], cfg["score_blocks"], cfg["attend_blocks"]
     nsplit = min(triton.cdiv(TC, BC), triton.cdiv(cfg["programs"], B * H))
     per_split = triton.cdiv(triton.cdiv(TC, nsplit), BC) * BC
-    nsplit = triton.cdiv(TC, per_split)
-    NP = n_select + triton.cdiv(W, BN)                                 # attend partials: selected blocks + window
+    nsplit = triton.cdiv(TC, per_split)                                # compressed partials per group
+    nwin, nsel = triton.cdiv(W, WN), triton.cdiv(n_select, SB)         # window and selected partials per group
+    npart, nchunk = nsplit + nwin + nsel, triton.cdiv(num_blocks, BJ)
     o = torch.empty(B, HQ, DV, device=dev, dtype=f32)
-    s = torch.empty(B * H, G, TC, device=dev, dtype=f32)
-    m_c, l_c = (torch.empty(B * H, nsplit, G, device=dev, dtype=f32) for _ in range(2))
-    acc_c = torch.empty(B * H, nsplit, G, DV, device=dev, dtype=f32)
-    m_a, l_a = (torch.empty(B * H, NP, G, device=dev, dtype=f32) for _ in range(2))
-    acc_a = torch.empty(B * H, NP, G, DV, device=dev, dtype=f32)
-    BS, BNS = max(2, triton.next_power_of_2(nsplit)), max(2, triton.next_power_of_2(n_select))
+    # raw scores: fp16 for bf16/fp16 caches (rounding 2^-11 relative, 8x below that of the bf16 keys they come from)
+    s = torch.empty(B * H, G, TC, device=dev, dtype=f32 if q.dtype == f32 else torch.float16)
+    m_p, l_p = (torch.empty(B * H, npart, G, device=dev, dtype=f32) for _ in range(2))
+    acc_p = torch.empty(B * H, npart, G, DV, device=dev, dtype=f32)
+    cand = torch.empty(B * H, nchunk, n_select, device=dev, dtype=torch.int64)   # each chunk's top-n keys
+    BNS = max(2, triton.next_power_of_2(n_select))
     scale_log2 = scale * math.log2(math.e)
     q, pos, gate = q.contiguous(), pos.contiguous(), gate.float().contiguous()
-    dims = dict(G=G, BG=BG, D=D, DV=DV, BD=BD, BDV=BDV, PREC="ieee" if q.dtype == torch.float32 else "tf32")
-    _dec_cmp_kernel[(B * H, nsplit)](q, k_cmp, v_cmp, pos, s, m_c, l_c, acc_c, scale_log2, TC, per_split, nsplit,
-                                     cmp_block, cmp_stride, H=H, BN=BC, **dims, num_warps=cfg["cmp_warps"],
-                                     num_stages=cfg["cmp_stages"])
-    _dec_score_kernel[(B * H, triton.cdiv(num_blocks, cfg["score_blocks"]))](
-        s, m_c, l_c, pos, score, TC, nsplit, num_blocks, cmp_block, cmp_stride, sel_block, G=G, BG=BG, H=H, BS=BS,
-        BJ=cfg["score_blocks"], num_warps=4)
-    _dec_topn_kernel[(B * H,)](score, pos, idx, reads, num_blocks, sel_block, n_init, n_local, TC, cmp_block,
-                               cmp_stride, W, H=H, NS=n_select, BNS=BNS,
-                               BNB=max(16, triton.next_power_of_2(num_blocks)), num_warps=cfg["topn_warps"])
-    _dec_attend_kernel[(B * H, NP)](q, k_slc, v_slc, k_win, v_win, pos, idx, m_a, l_a, acc_a, scale_log2, S, W,
-                                    sel_block, H=H, NS=n_select, NP=NP, BN=BN, **dims, num_warps=cfg["attend_warps"])
-    _dec_combine_kernel[(B * HQ,)](gate, gate_out, o, m_c, l_c, acc_c, m_a, l_a, acc_a, nsplit, G=G, NS=n_select,
-                                   NP=NP, DV=DV, BS=BS, BNS=BNS, BW=max(2, triton.next_power_of_2(NP - n_select)),
-                                   BDV=BDV, num_warps=cfg["combine_warps"])
+    dims = dict(G=G, BG=BG, D=D, DV=DV, BD=BD, BDV=BDV, PREC="ieee" if q.dtype == f32 else "tf32")
+    _dec_cmp_kernel[(B * H, nsplit + nwin)](q, k_cmp, v_cmp, k_win, v_win, pos, s, m_p, l_p, acc_p, scale_log2, TC,
+                                            per_split, nsplit, cmp_block, cmp_stride, W, WN, npart, H=H, BN=BC,
+                                            **dims, num_warps=cfg["cmp_warps"], num_stages=cfg["cmp_stages"])
+    _dec_score_kernel[(B * H, nchunk)](s, m_p, l_p, pos, score, cand, TC, nsplit, npart, num_blocks, nchunk,
+                                       cmp_block, cmp_stride, sel_block, n_init, n_local, G=G, BG=BG, H=H,
+                                       BS=max(2, triton.next_power_of_2(nsplit)), BJ=BJ, NS=n_select, BNS=BNS,
+                                       num_warps=cfg["score_warps"])
+    _dec_attend_kernel[(B * H, nsel)](q, k_slc, v_slc, pos, cand, idx, reads, m_p, l_p, acc_p, scale_log2, S, W,
+                                      sel_block, nchunk * n_select, cmp_block, cmp_stride, TC, nsplit + nwin, npart,
+                                      H=H, NS=n_select, BNS=BNS, SB=SB,
+                                      BCAND=max(16, triton.next_power_of_2(nchunk * n_select)),
+                                      BN=max(16, triton.next_power_of_2(sel_block)), **dims,
+                                      num_warps=cfg["attend_warps"])
+    BP = max(2, triton.next_power_of_2(npart))                         # combine: one warp per 4096 partial values
+    _dec_combine_kernel[(B * HQ,)](gate, gate_out, o, m_p, l_p, acc_p, nsplit, nwin, npart, G=G, DV=DV,
+                                   BP=BP, BDV=BDV, num_warps=max(1, min(8, BP * BDV // 4096)))
     return o
 
 

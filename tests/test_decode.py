@@ -351,6 +351,42 @@ def test_decode_kernel_paper_defaults_long():
     torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.gpu
+def test_decode_kernel_bf16_cache():
+    # a bf16 cache (the kernel keeps raw scores in fp16 and rounds P to bf16 for P.V) against the fp32 torch step on
+    # the same bf16 values: block scores within 2%; each chosen block among the reference's top-n up to that error
+    # (near-ties may swap); the output == the fp32 branches over the kernel's own blocks within bf16 rounding
+    B, S, H, G, D, n = 4, 8192, 4, 16, 128, 16
+    cfg = GPTConfig(**{**TINY, "cmp_block": 32, "cmp_stride": 16, "sel_block": 64, "n_select": n, "window": 512})
+    pos = torch.tensor([300, 1055, 2999, 8191], device=DEV)
+    c, q, g = random_cache(B, S, H, G, D, cfg, seed=2)
+    names = ("k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp")
+    for name in names:
+        getattr(c, name).copy_(getattr(c, name).bfloat16())
+    q = q.bfloat16().float()
+    nsa.decode_attention(q, c, pos, g, cfg)
+    idx_ref, score_ref, reads_ref = c.sel_idx.clone(), c.sel_score.clone(), c.reads.clone()
+    c16 = nsa.nsa_cache(B, S, H * G, H, D, cfg, DEV, torch.bfloat16)
+    for name in names:
+        getattr(c16, name).copy_(getattr(c, name))
+    o = nsa.decode_attention(q.bfloat16(), c16, pos, g, GPTConfig(**{**vars(cfg), "backend": "triton"}))
+    torch.testing.assert_close(c16.sel_score, score_ref, rtol=2e-2, atol=1e-5)
+    assert torch.equal(c16.reads, reads_ref)
+    for b, t in enumerate(pos.tolist()):
+        forced = {0} | {t // 64 - 1, t // 64}                                  # n_init = 1, n_local = 2
+        for h in range(H):
+            ref, got = set(idx_ref[b, h].tolist()) - {-1}, set(c16.sel_idx[b, h].tolist()) - {-1}
+            floor = score_ref[b, h, sorted(ref - forced)].min() * 0.98         # the reference's n-th best, -2%
+            assert len(got) == len(ref) and forced <= got and all(score_ref[b, h, j] >= floor for j in got - forced), \
+                (b, h, sorted(ref ^ got))
+    scale = D ** -0.5
+    o_cmp = nsa.decode_compressed(q, c.k_cmp, c.v_cmp, pos, 32, 16, scale)[0]
+    o_slc = nsa.decode_selection(q, c.k_slc, c.v_slc, c16.sel_idx, pos, 64, scale)[0]
+    o_win = nsa.decode_window(q, c.k_win, c.v_win, pos, scale)[0]
+    o_ref = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win   # (B, HQ, Dv)
+    torch.testing.assert_close(o, o_ref, rtol=2e-2, atol=2e-2)
+
+
 def test_decode_kernel_needle_64k():
     # the needle cache through the Triton step (CUDA, or the interpreter): the needle's block is selected at far
     # positions and the selected branch returns its value; poisoning every slot after pos changes nothing (causal)
