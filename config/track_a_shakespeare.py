@@ -1,4 +1,4 @@
-# python train.py config/track_a_shakespeare.py                       (one H100; the dense twin: config/track_a_dense.py)
+# python train.py config/track_a_shakespeare.py                       (a GPU; the dense twin: config/track_a_dense.py)
 # Track A: byte-level Shakespeare (python prepare_data.py), T=1024, 6 layers x 384 wide, 6 query / 2 KV heads (G=3,
 # head dim 64): 12.6M parameters with NSA, 9.5M with dense attention (NSA adds phi, the gate and per-branch K/V).
 # NSA hyperparameters, scaled from the paper's (l=32, d=16, l'=64, n=16, w=512 for 64k) so every branch matters at
@@ -8,7 +8,8 @@
 #   l'=32, n=8: 8 selected blocks of 32 = 256 of 1024 tokens (a quarter), of which 1 initial + 2 local are forced,
 #               so 5 blocks are chosen by the compressed scores (Eq. 8-10);
 #   w=128     : the window covers the last ~2 lines of verse, the local detail a byte model needs.
-# A query then reads 407 keys on average over positions 0..1023 (compressed + selected + window; dense: 512.5).
+# train.py prints how many keys a query then reads on average (compressed + selected + window; dense: (T+1)/2).
+# Results (loss against the dense twin, speed): RESULTS.md, "Track A: NSA vs dense" and "Training speed, Track A".
 out_dir = "out-track-a-nsa"
 data_dir = "data/shakespeare_byte"
 eval_every = 250
@@ -17,8 +18,8 @@ log_every = 10
 diag_every = 100
 save_every = 1000
 # data: 16 x 1024 bytes = 16,384 tokens per step; 5000 steps = 82M tokens, about 18 passes over the 4.66M train bytes.
-# Without dropout the model memorises them: val loss bottomed at ~1.40 near step 1500 and climbed to 4.6 by step
-# 12000 in a run of 2026-11-22 (one H100, dropout 0). dropout = 0.2 (as nanoGPT's shakespeare_char) slows that down.
+# Without dropout the model memorises them and val loss climbs after its early minimum (RESULTS.md, "Without
+# dropout"); dropout = 0.2 (as nanoGPT's shakespeare_char) slows that down.
 batch_size = 16
 block_size = 1024
 gradient_accumulation_steps = 1
@@ -49,4 +50,4 @@ grad_clip = 1.0
 # system
 dtype = "bfloat16"
 compile = True
-compile_mode = "reduce-overhead"  # CUDA graphs: at T=1024 NSA is launch-bound without them (one H100: 65 -> 20 ms/step)
+compile_mode = "reduce-overhead"  # CUDA graphs: at T=1024 NSA is launch-bound without them (RESULTS.md)

@@ -1,9 +1,10 @@
-# torchrun --standalone --nproc_per_node=2 train.py config/track_b_8k.py          (2 x H200; dense twin: add
+# torchrun --standalone --nproc_per_node=2 train.py config/track_b_8k.py          (two GPUs; dense twin: add
 #   --attn=dense --out_dir=out-track-b-dense). Data: python prepare_data.py --tokenizer=gpt2 (Shakespeare, 1.44M
 #   train tokens); for a real corpus: --dataset=fineweb_edu --max_tokens=... and --data_dir=data/fineweb_edu_gpt2.
 # Track B: GPT-2 BPE (vocab 50257), T=8192, 6 layers x 384 wide, 6 query / 2 KV heads (head dim 64): 36.7M parameters
 # with NSA (19.3M of them the tied embedding), 28.7M dense. NSA with the paper's defaults (l=32, d=16, l'=64, n=16,
-# w=512, 1 initial + 2 local blocks forced): at T=8192 a query reads 1711 keys on average (dense causal: 4096).
+# w=512, 1 initial + 2 local blocks forced); train.py prints how many keys a query reads on average.
+# Results (speed and loss against the dense twin): RESULTS.md, "Track B".
 out_dir = "out-track-b-nsa"
 data_dir = "data/shakespeare_gpt2"
 eval_every = 50
