@@ -457,6 +457,9 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
 # writes each (pair, sub-block)'s dq partial (ds @ k), summed per token in the same order; no query-centric dq pass.
 # Deterministic, no atomics, no host sync. Each K/V block is read once per chunk instead of once per (token, kv head)
 # that chose it; the price is an fp32 partial of G*max(D, Dv) per pair through memory, so it pays for small G.
+# Masks: keys after a row inside its block get probability 0 (exact for finite values; as in any tiled causal
+# kernel, a non-finite key there that a later token of the same tile also reads reaches the row as 0 * inf), keys
+# of another sequence are never loaded.
 
 KEY_MAX_G = 4          # "auto" takes the key-centric path for G = HQ / H up to this ...
 KEY_MIN_TOKENS = 4096  # ... and at least this many packed tokens (below, the reverse-index sort and launches show)
@@ -505,8 +508,9 @@ def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, idx, rev_t, c_begin, c_end, c
     o_d, o_dv, o_k = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BK)
     j = tl.load(pos + kst) // BS                          # the block's id inside its sequence
     u = kst + i_kc * BK + o_k                             # [BK] global key tokens
-    m_k = (i_kc * BK + o_k < BS) & (u < NT) & (e0 < e1)
     rel_k = tl.load(pos + kst) + i_kc * BK + o_k          # [BK] key positions inside the sequence
+    m_k = (i_kc * BK + o_k < BS) & (u < NT) & (e0 < e1)
+    m_k &= tl.load(pos + u, mask=m_k, other=-1) == rel_k  # keys of the next sequence are never loaded
     k_off = u * H + i_h
     b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
     b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
@@ -580,8 +584,9 @@ def _sel_key_bwd_kernel(q, k, v, do, lse, delta, idx, rev_t, c_begin, c_end, c_k
     o_d, o_dv, o_k = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BK)
     j = tl.load(pos + kst) // BS
     u = kst + i_kc * BK + o_k
-    m_k = (i_kc * BK + o_k < BS) & (u < NT)
     rel_k = tl.load(pos + kst) + i_kc * BK + o_k
+    m_k = (i_kc * BK + o_k < BS) & (u < NT) & (e0 < e1)
+    m_k &= tl.load(pos + u, mask=m_k, other=-1) == rel_k
     k_off = u * H + i_h
     b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
     b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
