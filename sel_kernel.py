@@ -16,7 +16,7 @@ import triton.language as tl
 #   builds the reverse index (which tokens selected each block, ascending) in O(NT*H*n) memory; each list is cut
 #   into chunks of CHUNK_ROWS query rows so block 0 (selected by every token) does not serialise the launch; each
 #   chunk writes an fp32 partial dK/dV tile and a reduction kernel adds a block's partials in chunk order. No atomics.
-# - small G ("auto" in CONFIG["path"]): a key-centric forward and dq instead, in the last section of this file.
+# - CONFIG["path"] = "key" (or "auto" at small G): a key-centric forward and dq instead, in the last section.
 # - ids are cleaned once on the host side (torch ops, no sync): out of [0, t // l'] or repeated -> -1.
 
 CHUNK_ROWS = 16384  # query rows (tokens x G) per dk/dv work item; scratch is (T*H*n*G / CHUNK_ROWS + blocks) tiles
@@ -27,7 +27,7 @@ CONFIG = {
     "fwd": dict(rows=16, union=False, num_warps=4, num_stages=2),
     "dq": dict(rows=16, union=False, num_warps=2, num_stages=2),
     "dkv": dict(rows=64, num_warps=4, num_stages=3),
-    "path": "auto",  # "query" (above), "key" (key-centric section at the end) or "auto": _key_path's rule by shape
+    "path": "query",  # "query" (above), "key" (key-centric section at the end) or "auto": _key_path's rule by shape
     "key_fwd": dict(rows=64, chunk_rows=1024, num_warps=8, num_stages=2),  # chunk_rows: query rows per program
     "key_bwd": dict(rows=64, num_warps=8, num_stages=3),
 }
