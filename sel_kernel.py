@@ -16,6 +16,7 @@ import triton.language as tl
 #   builds the reverse index (which tokens selected each block, ascending) in O(NT*H*n) memory; each list is cut
 #   into chunks of CHUNK_ROWS query rows so block 0 (selected by every token) does not serialise the launch; each
 #   chunk writes an fp32 partial dK/dV tile and a reduction kernel adds a block's partials in chunk order. No atomics.
+# - CONFIG["path"] = "key" (or "auto" at small G): a key-centric forward and dq instead, in the last section.
 # - ids are cleaned once on the host side (torch ops, no sync): out of [0, t // l'] or repeated -> -1.
 
 CHUNK_ROWS = 16384  # query rows (tokens x G) per dk/dv work item; scratch is (T*H*n*G / CHUNK_ROWS + blocks) tiles
@@ -26,6 +27,9 @@ CONFIG = {
     "fwd": dict(rows=16, union=False, num_warps=4, num_stages=2),
     "dq": dict(rows=16, union=False, num_warps=2, num_stages=2),
     "dkv": dict(rows=64, num_warps=4, num_stages=3),
+    "path": "query",  # "query" (above), "key" (key-centric section at the end) or "auto": _key_path's rule by shape
+    "key_fwd": dict(rows=64, chunk_rows=1024, num_warps=8, num_stages=2),  # chunk_rows: query rows per program
+    "key_bwd": dict(rows=64, num_warps=8, num_stages=3),
 }
 
 
@@ -287,6 +291,8 @@ def _sizes(q, k, v, block_indices, sel_block):
 
 def _fwd(q, k, v, block_indices, sel_block, scale, cu_seqlens):
     B, T, HQ, D = q.shape
+    if _key_path(HQ // k.shape[2], B * T):
+        return _fwd_key(q, k, v, block_indices, sel_block, scale, cu_seqlens)
     qf, kf, vf, idx, pos, _ = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
     NT = B * T
     c, NS = _sizes(q, k, v, block_indices, sel_block)
@@ -339,6 +345,8 @@ def _bwd(do, q, k, v, o, lse, block_indices, sel_block, scale, cu_seqlens):
     B, T, HQ, D = q.shape
     if B * T == 0 or block_indices.shape[3] == 0:  # no key anywhere: all gradients are zero
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if _key_path(HQ // k.shape[2], B * T):
+        return _bwd_key(do, q, k, v, o, lse, block_indices, sel_block, scale, cu_seqlens)
     qf, kf, vf, idx, pos, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
     of, dof = o.reshape(B * T, HQ, -1).contiguous(), do.reshape(B * T, HQ, -1).contiguous()
     NT = B * T
@@ -438,3 +446,250 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
                          f"{tuple(cu_seqlens.shape)} with B={B}")
     scale = D ** -0.5 if scale is None else float(scale)
     return sel_attn_fwd(q, k, v, block_indices, int(sel_block), scale, cu_seqlens)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# key-centric path (small G): the loop inverted. One program = (kv head, selected block, chunk of the (token, slot)
+# pairs that chose it, in the reverse index above) x one key sub-block of BK keys. It loads its K/V once and, a tile
+# of BQ pairs at a time (a [BQ*BG, D] Q tile), attends each pair's G query rows to it (causal inside the block).
+# Forward: each (pair, sub-block) writes an fp32 partial o and base-2 lse; a merge kernel combines a token's partials
+# in (slot, sub-block) order into the same o and lse the query-centric forward writes. Backward: the dk/dv pass also
+# writes each (pair, sub-block)'s dq partial (ds @ k), summed per token in the same order; no query-centric dq pass.
+# Deterministic, no atomics, no host sync. Each K/V block is read once per chunk instead of once per (token, kv head)
+# that chose it; the price is an fp32 partial of G*max(D, Dv) per pair through memory, so it pays for small G.
+# Masks: keys after a row inside its block get probability 0 (exact for finite values; as in any tiled causal
+# kernel, a non-finite key there that a later token of the same tile also reads reaches the row as 0 * inf), keys
+# of another sequence are never loaded.
+
+KEY_MAX_G = 4          # "auto" takes the key-centric path for G = HQ / H up to this ...
+KEY_MIN_TOKENS = 4096  # ... and at least this many packed tokens (below, the reverse-index sort and launches show)
+
+
+def _key_path(G, NT):
+    """Which path a call of shape (G, NT = B * T) takes under CONFIG["path"]."""
+    path = CONFIG["path"]
+    if path not in ("auto", "query", "key"):
+        raise ValueError(f"sel_kernel.CONFIG['path'] must be 'auto', 'query' or 'key', got {path!r}")
+    return path == "key" or (path == "auto" and G <= KEY_MAX_G and NT >= KEY_MIN_TOKENS)
+
+
+@triton.jit
+def _key_pairs(q, idx, rev_t, pos, e, e1, i_h, j, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+               BQ: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr):
+    """Pairs [e, e + BQ) of a reverse-index chunk ending at e1, all of which chose block j of kv head i_h, as
+    BQ * BG rows (pair, head): their tokens, row mask, positions, Q tile and the slot where each token lists j."""
+    HQ: tl.constexpr = H * G
+    o_r, o_d, o_s = tl.arange(0, BQ * BG), tl.arange(0, BD), tl.arange(0, BNS)
+    e_r = e + o_r // BG                                                     # [M] entry of each row
+    g_r = o_r % BG
+    m_e = e_r < e1
+    t64 = tl.load(rev_t + e_r, mask=m_e, other=0).to(tl.int64)             # [M] query tokens, ascending
+    m_r = m_e & (g_r < G)
+    rel_r = tl.load(pos + t64, mask=m_e, other=-1)                         # [M] positions inside the sequences
+    b_q = tl.load(q + (t64 * HQ + i_h * G + g_r)[:, None] * D + o_d[None, :],
+                  mask=m_r[:, None] & (o_d < D)[None, :], other=0.)                         # [M, BD]
+    b_ids = tl.load(idx + (t64 * H + i_h)[:, None] * NS + o_s[None, :],
+                    mask=m_e[:, None] & (o_s < NS)[None, :], other=-1)                      # [M, BNS]
+    s_r = tl.sum(tl.where(b_ids == j, o_s[None, :], 0), 1)                 # [M] cleaned ids: j is listed once
+    return t64, g_r, m_r, rel_r, b_q, s_r
+
+
+@triton.jit
+def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, idx, rev_t, c_begin, c_end, c_key, pos, scale_log2, NT,
+                        H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BQ: tl.constexpr,
+                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                        BS: tl.constexpr, BK: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr):
+    i_c, i_kc = tl.program_id(0), tl.program_id(1)
+    e0 = tl.load(c_begin + i_c)                           # this chunk: entries [e0, e1) of the sorted lists
+    e1 = tl.load(c_end + i_c)
+    key = tl.load(c_key + i_c)                            # kv head * NT + global start of the block
+    i_h = (key // NT).to(tl.int32)
+    kst = key % NT
+    o_d, o_dv, o_k = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BK)
+    j = tl.load(pos + kst) // BS                          # the block's id inside its sequence
+    u = kst + i_kc * BK + o_k                             # [BK] global key tokens
+    rel_k = tl.load(pos + kst) + i_kc * BK + o_k          # [BK] key positions inside the sequence
+    m_k = (i_kc * BK + o_k < BS) & (u < NT) & (e0 < e1)
+    m_k &= tl.load(pos + u, mask=m_k, other=-1) == rel_k  # keys of the next sequence are never loaded
+    k_off = u * H + i_h
+    b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
+    b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
+    for e in range(e0, e1, BQ):
+        t64, g_r, m_r, rel_r, b_q, s_r = _key_pairs(q, idx, rev_t, pos, e, e1, i_h, j, H, G, BG, BQ, D, BD, NS, BNS)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
+        m_s = m_r[:, None] & m_k[None, :] & (rel_k[None, :] <= rel_r[:, None])  # causal inside the block
+        b_s = tl.where(m_s, b_s, float("-inf"))
+        b_m = tl.max(b_s, 1)
+        b_m = tl.where(b_m == float("-inf"), 0., b_m)                       # a row with no key here stays at 0
+        b_p = tl.exp2(b_s - b_m[:, None])                                   # [M, BK]
+        b_l = tl.sum(b_p, 1)
+        l_safe = tl.where(b_l == 0., 1., b_l)
+        b_o = tl.dot(b_p.to(b_v.dtype), b_v) / l_safe[:, None]              # [M, BDV] this block's softmax
+        b_lse = tl.where(b_l == 0., float("-inf"), b_m + tl.log2(l_safe))   # [M] base-2 lse over this block
+        row = (((t64 * H + i_h) * NS + s_r) * NKC + i_kc) * G + g_r         # [M] partial of (token, slot, kc, g)
+        tl.store(o_part + row[:, None] * DV + o_dv[None, :], b_o, mask=m_r[:, None] & (o_dv < DV)[None, :])
+        tl.store(lse_part + row, b_lse, mask=m_r)
+
+
+@triton.jit
+def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+                          BT: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, NS: tl.constexpr,
+                          NKC: tl.constexpr):
+    """o = sum_s 2^(lse_s - lse) o_s and lse = log2 sum_s 2^lse_s over a token's partials, in slot order."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    HQ: tl.constexpr = H * G
+    o_r, o_dv = tl.arange(0, BT * BG), tl.arange(0, BDV)
+    t_r = i_t * BT + o_r // BG                                              # [M] tokens
+    g_r = o_r % BG
+    m_t = t_r < NT
+    m_r = m_t & (g_r < G)
+    t64 = t_r.to(tl.int64)
+    m_i = tl.full([BT * BG], float("-inf"), tl.float32)
+    l_i = tl.zeros([BT * BG], tl.float32)
+    acc = tl.zeros([BT * BG, BDV], tl.float32)
+    for s in range(NS):
+        m_v = m_r & (tl.load(idx + (t64 * H + i_h) * NS + s, mask=m_t, other=-1) >= 0)  # slot s holds a block
+        for kc in tl.static_range(NKC):
+            row = (((t64 * H + i_h) * NS + s) * NKC + kc) * G + g_r
+            b_lse = tl.load(lse_part + row, mask=m_v, other=float("-inf"))
+            b_o = tl.load(o_part + row[:, None] * DV + o_dv[None, :], mask=m_v[:, None] & (o_dv < DV)[None, :],
+                          other=0.)                                                         # [M, BDV]
+            m_new = tl.maximum(m_i, b_lse)
+            m_use = tl.where(m_new == float("-inf"), 0., m_new)
+            alpha = tl.exp2(m_i - m_use)
+            w = tl.exp2(b_lse - m_use)
+            acc = acc * alpha[:, None] + b_o * w[:, None]
+            l_i = l_i * alpha + w
+            m_i = m_new
+    l_safe = tl.where(l_i == 0., 1., l_i)
+    hq = t64 * HQ + i_h * G + g_r
+    tl.store(o + hq[:, None] * DV + o_dv[None, :], (acc / l_safe[:, None]).to(o.dtype.element_ty),
+             mask=m_r[:, None] & (o_dv < DV)[None, :])
+    tl.store(lse + hq, tl.where(l_i == 0., float("-inf"), m_i + tl.log2(l_safe)), mask=m_r)
+
+
+@triton.jit
+def _sel_key_bwd_kernel(q, k, v, do, lse, delta, idx, rev_t, c_begin, c_end, c_key, dk_part, dv_part, dq_part, pos,
+                        scale_log2, scale, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BQ: tl.constexpr,
+                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr,
+                        BK: tl.constexpr, BSP: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr):
+    """_sel_bwd_dkv_kernel's work plus each (pair, sub-block)'s dq partial."""
+    i_c, i_kc = tl.program_id(0), tl.program_id(1)
+    HQ: tl.constexpr = H * G
+    e0 = tl.load(c_begin + i_c)
+    e1 = tl.load(c_end + i_c)
+    key = tl.load(c_key + i_c)
+    i_h = (key // NT).to(tl.int32)
+    kst = key % NT
+    o_d, o_dv, o_k = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BK)
+    j = tl.load(pos + kst) // BS
+    u = kst + i_kc * BK + o_k
+    rel_k = tl.load(pos + kst) + i_kc * BK + o_k
+    m_k = (i_kc * BK + o_k < BS) & (u < NT) & (e0 < e1)
+    m_k &= tl.load(pos + u, mask=m_k, other=-1) == rel_k
+    k_off = u * H + i_h
+    b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
+    b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
+    b_dk = tl.zeros([BK, BD], tl.float32)
+    b_dv = tl.zeros([BK, BDV], tl.float32)
+    for e in range(e0, e1, BQ):
+        t64, g_r, m_r, rel_r, b_q, s_r = _key_pairs(q, idx, rev_t, pos, e, e1, i_h, j, H, G, BG, BQ, D, BD, NS, BNS)
+        hq_r = t64 * HQ + i_h * G + g_r
+        b_do = tl.load(do + hq_r[:, None] * DV + o_dv[None, :], mask=m_r[:, None] & (o_dv < DV)[None, :], other=0.)
+        b_lse = tl.load(lse + hq_r, mask=m_r, other=0.)
+        b_delta = tl.load(delta + hq_r, mask=m_r, other=0.)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
+        m_s = m_r[:, None] & m_k[None, :] & (rel_k[None, :] <= rel_r[:, None])
+        b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
+        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)                  # [BK, BDV]
+        b_dp = tl.dot(b_do, tl.trans(b_v))                                  # [M, BK]
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)                   # [BK, BD]
+        b_dq = tl.dot(b_ds.to(b_k.dtype), b_k) * scale                      # [M, BD]
+        row = (((t64 * H + i_h) * NS + s_r) * NKC + i_kc) * G + g_r
+        tl.store(dq_part + row[:, None] * D + o_d[None, :], b_dq, mask=m_r[:, None] & (o_d < D)[None, :])
+    row = (i_c.to(tl.int64) * BSP + i_kc * BK + o_k)[:, None]
+    tl.store(dk_part + row * D + o_d[None, :], b_dk * scale, mask=(o_d < D)[None, :])
+    tl.store(dv_part + row * DV + o_dv[None, :], b_dv, mask=(o_dv < DV)[None, :])
+
+
+@triton.jit
+def _sel_key_dq_kernel(dq_part, idx, dq, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                       D: tl.constexpr, BD: tl.constexpr, NS: tl.constexpr, NKC: tl.constexpr):
+    """dq of each token = its dq partials summed in slot order."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    HQ: tl.constexpr = H * G
+    o_r, o_d = tl.arange(0, BT * BG), tl.arange(0, BD)
+    t_r = i_t * BT + o_r // BG
+    g_r = o_r % BG
+    m_t = t_r < NT
+    m_r = m_t & (g_r < G)
+    t64 = t_r.to(tl.int64)
+    b_dq = tl.zeros([BT * BG, BD], tl.float32)
+    for s in range(NS):
+        m_v = m_r & (tl.load(idx + (t64 * H + i_h) * NS + s, mask=m_t, other=-1) >= 0)
+        for kc in tl.static_range(NKC):
+            row = (((t64 * H + i_h) * NS + s) * NKC + kc) * G + g_r
+            b_dq += tl.load(dq_part + row[:, None] * D + o_d[None, :], mask=m_v[:, None] & (o_d < D)[None, :],
+                            other=0.)
+    tl.store(dq + (t64 * HQ + i_h * G + g_r)[:, None] * D + o_d[None, :], b_dq.to(dq.dtype.element_ty),
+             mask=m_r[:, None] & (o_d < D)[None, :])
+
+
+def _key_sizes(q, k, v, block_indices, sel_block, rows):
+    """Launch sizes shared by the key-centric kernels: BQ pairs per tile, NKC sub-blocks of BK keys per block."""
+    c, NS = _sizes(q, k, v, block_indices, sel_block)
+    c["BK"] = min(c["BK"], 32 if max(c["D"], c["DV"]) > 128 else 64)  # K, V and dk/dv tiles stay in registers
+    return c, dict(NS=NS, BNS=triton.next_power_of_2(NS), NKC=triton.cdiv(sel_block, c["BK"])), max(1, rows // c["BG"])
+
+
+def _fwd_key(q, k, v, block_indices, sel_block, scale, cu_seqlens):
+    B, T, HQ, D = q.shape
+    DV, NT = v.shape[3], B * T
+    if NT == 0 or block_indices.shape[3] == 0:  # nothing to attend to: o = 0, lse = -inf
+        return q.new_zeros(B, T, HQ, DV), q.new_full((B, T, HQ), float("-inf"), dtype=torch.float32)
+    qf, kf, vf, idx, pos, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
+    cfg = dict(CONFIG["key_fwd"])
+    c, s, BQ = _key_sizes(q, k, v, block_indices, sel_block, cfg.pop("rows"))
+    chunk = max(BQ, cfg.pop("chunk_rows") // c["BG"] // BQ * BQ)
+    rev_t, c_begin, c_end, c_key, _, _ = _reverse_index(idx, pos, sel_block, n_seq, chunk)
+    n_part = NT * c["H"] * s["NS"] * s["NKC"] * c["G"]                        # (token, kv head, slot, kc, g)
+    o_part = torch.empty(n_part, DV, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(n_part, device=q.device, dtype=torch.float32)
+    _sel_key_fwd_kernel[(c_begin.numel(), s["NKC"])](qf, kf, vf, o_part, lse_part, idx, rev_t, c_begin, c_end, c_key,
+                                                     pos, scale * math.log2(math.e), NT, BQ=BQ, **c, **s, **cfg)
+    o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
+    lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
+    BT = max(1, 32 // c["BG"])
+    _sel_key_merge_kernel[(triton.cdiv(NT, BT), c["H"])](o_part, lse_part, idx, o, lse, NT, H=c["H"], G=c["G"],
+                                                         BG=c["BG"], BT=BT, DV=DV, BDV=c["BDV"], NS=s["NS"],
+                                                         NKC=s["NKC"])
+    return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
+
+
+def _bwd_key(do, q, k, v, o, lse, block_indices, sel_block, scale, cu_seqlens):
+    B, T, HQ, D = q.shape
+    qf, kf, vf, idx, pos, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
+    of, dof = o.reshape(B * T, HQ, -1).contiguous(), do.reshape(B * T, HQ, -1).contiguous()
+    NT = B * T
+    cfg = dict(CONFIG["key_bwd"])
+    c, s, BQ = _key_sizes(q, k, v, block_indices, sel_block, cfg.pop("rows"))
+    H, DV = c["H"], c["DV"]
+    delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
+    _sel_bwd_delta_kernel[(triton.cdiv(NT * HQ, 32),)](of, dof, delta, NT * HQ, DV=DV, BDV=c["BDV"], BR=32)
+    chunk = max(BQ, CHUNK_ROWS // c["BG"] // BQ * BQ)
+    rev_t, c_begin, c_end, c_key, seg_c0, seg_c1 = _reverse_index(idx, pos, sel_block, n_seq, chunk)
+    NC, BSP = c_begin.numel(), s["NKC"] * c["BK"]
+    dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
+    dv_part = torch.empty(NC, BSP, DV, device=q.device, dtype=torch.float32)
+    dq_part = torch.empty(NT * H * s["NS"] * s["NKC"] * c["G"], D, device=q.device, dtype=torch.float32)
+    _sel_key_bwd_kernel[(NC, s["NKC"])](qf, kf, vf, dof, lse, delta, idx, rev_t, c_begin, c_end, c_key, dk_part,
+                                        dv_part, dq_part, pos, scale * math.log2(math.e), scale, NT, BQ=BQ, BSP=BSP,
+                                        **c, **s, **cfg)
+    dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
+    BT = max(1, 32 // c["BG"])
+    _sel_key_dq_kernel[(triton.cdiv(NT, BT), H)](dq_part, idx, dq, NT, H=H, G=c["G"], BG=c["BG"], BT=BT, D=D,
+                                                 BD=c["BD"], NS=s["NS"], NKC=s["NKC"])
+    _sel_bwd_reduce_kernel[(triton.cdiv(NT, 32), H)](dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT, H=H, D=D,
+                                                     DV=DV, BD=c["BD"], BDV=c["BDV"], BS=sel_block, BSP=BSP, BR=32)
+    return dq.view_as(q), dk.view_as(k), dv.view_as(v)
