@@ -27,7 +27,7 @@ CONFIG = {
     "fwd": dict(rows=16, union=False, num_warps=4, num_stages=2),
     "dq": dict(rows=16, union=False, num_warps=2, num_stages=2),
     "dkv": dict(rows=64, num_warps=4, num_stages=3),
-    "path": "query",  # "query" (above), "key" (key-centric section at the end) or "auto": _key_path's rule by shape
+    "path": "auto",  # "query" (above), "key" (key-centric section at the end) or "auto": _key_path's rule by shape
     "key_fwd": dict(rows=64, chunk_rows=1024, num_warps=8, num_stages=2),  # chunk_rows: query rows per program
     "key_bwd": dict(rows=64, num_warps=8, num_stages=3),
 }
@@ -461,7 +461,7 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
 # kernel, a non-finite key there that a later token of the same tile also reads reaches the row as 0 * inf), keys
 # of another sequence are never loaded.
 
-KEY_MAX_G = 4          # "auto" takes the key-centric path for G = HQ / H up to this ...
+KEY_MAX_G = 4          # "auto" takes the key-centric path for G = HQ / H up to this (RESULTS.md, "Selection paths") ...
 KEY_MIN_TOKENS = 4096  # ... and at least this many packed tokens (below, the reverse-index sort and launches show)
 
 
