@@ -654,7 +654,7 @@ def prepare(dataset="", tokenizer="byte", out_dir="", input="", text_field="text
         print(f"{out_dir} is up to date (same config, shards verified); --force=True rebuilds it")
         return load_meta(out_dir)
 
-    tmp_dir = os.path.join(out_dir, ".prepare.tmp")
+    tmp_dir, created = os.path.join(out_dir, ".prepare.tmp"), not os.path.exists(out_dir)
     try:  # an out_dir that cannot be written is found here, before any work
         os.makedirs(out_dir, exist_ok=True)
         shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a killed run
@@ -680,6 +680,8 @@ def prepare(dataset="", tokenizer="byte", out_dir="", input="", text_field="text
         _move_in(tmp_dir, out_dir, meta)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+        if created and not os.listdir(out_dir):
+            os.rmdir(out_dir)
     for split, s in splits.items():
         print(f"{split}: {s['documents']:,} documents, {s['tokens']:,} tokens in {len(s['shards'])} shard(s)")
     print(f"wrote {out_dir}/meta.json ({tok.name} tokenizer, vocab {tok.vocab_size}, EOT {tok.eot})")

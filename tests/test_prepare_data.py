@@ -320,6 +320,7 @@ def test_empty_and_bad_inputs_raise(tmp_path):
     out = str(tmp_path / "o")
     with pytest.raises(ValueError, match="train split of --dataset=text is empty"):
         pd.prepare(dataset="text", input=str(tmp_path / "empty.txt"), out_dir=out, num_proc=1)
+    assert not os.path.exists(out)                                             # a failed first run leaves nothing
     with pytest.raises(ValueError, match="is empty"):
         pd.prepare(dataset="jsonl", input=str(tmp_path / "empty.jsonl"), out_dir=out, num_proc=1)
     with pytest.raises(ValueError, match="matched no files"):
