@@ -79,8 +79,8 @@ min_lr = 1e-4  # learning rate after lr_decay_iters
 device = "auto"  # 'auto' (cuda if available) | 'cpu' | 'cuda' | 'cuda:1'
 dtype = "bfloat16"  # autocast dtype: 'bfloat16' | 'float16' (with GradScaler) | 'float32' (no autocast)
 compile = True  # torch.compile(model, dynamic=False, fullgraph=True) for training and eval
-compile_mode = "default"  # torch.compile mode; 'reduce-overhead' replays CUDA graphs (on one H100, track A's NSA step
-# went from 65 to 20 ms: at T=1024 its many small kernels leave the GPU waiting for Python)
+compile_mode = "default"  # torch.compile mode; 'reduce-overhead' replays CUDA graphs (NSA's many small kernels at
+# T=1024 otherwise leave the GPU waiting for Python)
 activation_checkpointing = False  # recompute each block in the backward: less memory, ~1/3 more compute
 # -----------------------------------------------------------------------------
 _config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
@@ -155,39 +155,25 @@ meta = train_data.meta
 train_gen = torch.Generator().manual_seed(seed)
 
 
-def draw(data, gen):
-    """One micro-batch on the device: x, y (B, T) int64 and cu_seqlens None; or with doc_batches x, y (1, B*T)
-    and cu_seqlens int32 (N + 1,), under compile padded with empty sequences to a multiple of 32 entries (few shapes,
-    few recompiles; eager skips the padding, which costs the reference a loop step per empty sequence)."""
-    if not doc_batches:
-        x, y = data.random_batch(batch_size, block_size, gen)                  # (B, T), (B, T)
-        cu = None
-    else:
-        x, y, cu = data.doc_batch(batch_size, block_size, gen)                 # (1, B*T), (1, B*T), (N + 1,)
-        if compile:
-            cu = torch.cat([cu, cu[-1:].repeat(-len(cu) % 32)])                # (32k,) trailing empty sequences
+def get_batch(data, gen, mine=True):
+    """The next micro-batch of the shared stream on the device (mine=False: another rank's, only drawn to advance
+    gen): x, y (B, T) int64 and cu_seqlens None; or with doc_batches x, y (1, B*T) and cu_seqlens int32 (N + 1,),
+    under compile padded with empty sequences to a multiple of 32 entries (few shapes, few recompiles; eager skips
+    the padding, which costs the reference a loop step per empty sequence)."""
+    x, y, cu = data.doc_batch(batch_size, block_size, gen) if doc_batches else (
+        *data.random_batch(batch_size, block_size, gen), None)                 # (B, T) or (1, B*T); (N + 1,)
+    if not mine:
+        return None
+    if cu is not None and compile:
+        cu = torch.cat([cu, cu[-1:].repeat(-len(cu) % 32)])                    # (32k,) trailing empty sequences
     if device_type == "cuda":
-        x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-        cu = None if cu is None else cu.pin_memory().to(device, non_blocking=True)
-    else:
-        x, y, cu = x.to(device), y.to(device), None if cu is None else cu.to(device)
-    return x, y, cu
+        return tuple(None if t is None else t.pin_memory().to(device, non_blocking=True) for t in (x, y, cu))
+    return tuple(None if t is None else t.to(device) for t in (x, y, cu))
 
 
-def skip(data, gen):
-    """Advances the generator past one micro-batch of another rank."""
-    (data.doc_batch if doc_batches else data.random_batch)(batch_size, block_size, gen)
-
-
-def get_batch(data, gen):
-    """The next micro-batch of this rank: the ranks take turns over the shared stream."""
-    mine = None
-    for r in range(world):
-        if r == rank:
-            mine = draw(data, gen)
-        else:
-            skip(data, gen)
-    return mine
+def next_batch(data, gen):
+    """This rank's next micro-batch: the ranks take turns over the shared stream."""
+    return [get_batch(data, gen, r == rank) for r in range(world)][rank]
 
 
 # -----------------------------------------------------------------------------
@@ -261,12 +247,10 @@ def estimate_loss():
     for split, data in (("train", train_data), ("val", val_data)):
         gen, total = torch.Generator().manual_seed(seed + 1), torch.zeros(2, device=device)  # (loss sum, batches)
         for i in range(eval_iters):
-            if i % world == rank:
-                x, y, cu = draw(data, gen)
+            batch = get_batch(data, gen, mine=i % world == rank)
+            if batch is not None:
                 with ctx:
-                    total += torch.stack([forward(x, y, cu)[1].float(), torch.ones((), device=device)])
-            else:
-                skip(data, gen)
+                    total += torch.stack([forward(*batch)[1].float(), torch.ones((), device=device)])
         if ddp:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
@@ -286,6 +270,8 @@ def get_lr(it):
 
 # -----------------------------------------------------------------------------
 # observability helpers (rank 0): the CSV log, the loss plot, checkpoint and export (NSA statistics: model.py)
+
+
 def keys_per_query(cu):
     """Mean keys a query reads in this batch: per packed sequence with cu_seqlens, else at T = block_size."""
     if cu is None:
@@ -397,7 +383,7 @@ if master and resumed and os.path.exists(log_path):  # drop rows a crashed run w
     writer.writerows(rows)
     atomic_write(log_path, lambda f: f.write(buf.getvalue().encode()))
 data_state = train_gen.get_state()  # the data position of the batch held in X (what a checkpoint saves)
-X, Y, CU = get_batch(train_data, train_gen)
+X, Y, CU = next_batch(train_data, train_gen)
 saved_step = start_iter if resumed else -1  # the step of the last good checkpoint on disk (-1: none yet)
 skipped = 0  # steps in a row whose gradient norm was not finite
 stop_reason, t_start, t_log, last_log_iter = "", time.time(), time.time(), iter_num
@@ -438,7 +424,7 @@ while True:
         loss_sum += loss.detach().float()
         if micro_step == accum - 1:
             data_state = train_gen.get_state()
-        X, Y, CU = get_batch(train_data, train_gen)  # fetch the next batch while the device works
+        X, Y, CU = next_batch(train_data, train_gen)  # fetch the next batch while the device works
         scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
