@@ -1,8 +1,8 @@
 """Poor man's configurator (after nanoGPT): exec'd by train.py / sample.py / bench.py / prepare_data.py.
 `python train.py config/some_file.py --batch_size=32`: config files are exec'd, then --key=value overrides are
 literal_eval'd; every key must be an existing default global of the script and keep its type, else ValueError.
-_overrides records what was set ({key: origin}). A ValueError raised by this repo's code is a user error: the script
-ends with its message as one line `error: ...` and exit status 1; any other exception is a bug and keeps its traceback."""
+_overrides records what was set ({key: origin}). A ValueError raised by this repo's code is a user error: the
+script ends with its message as one line `error: ...` and exit status 1; any other exception keeps its traceback."""
 import difflib
 import os
 import sys

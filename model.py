@@ -300,7 +300,8 @@ def write_safetensors(f, tensors, metadata):
     header, blobs, offset = {}, [], 0
     for name, t in tensors.items():
         data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        header[name] = dict(dtype=SAFETENSORS_DTYPES[t.dtype], shape=list(t.shape), data_offsets=[offset, offset + len(data)])
+        header[name] = dict(dtype=SAFETENSORS_DTYPES[t.dtype], shape=list(t.shape),
+                            data_offsets=[offset, offset + len(data)])
         blobs.append(data)
         offset += len(data)
     head = json.dumps(dict(header, __metadata__=metadata), separators=(",", ":")).encode()
@@ -324,7 +325,7 @@ def read_safetensors(path):
             a, b = h["data_offsets"]
             if h["dtype"] not in dtypes or not 0 <= a <= b <= len(body):
                 raise ValueError(f"tensor {name!r}: dtype {h['dtype']} or offsets {a}..{b} not readable")
-            t = torch.frombuffer(bytearray(body[a:b]), dtype=torch.uint8) if b > a else torch.zeros(0, dtype=torch.uint8)
+            t = torch.frombuffer(bytearray(body[a:b]), dtype=torch.uint8) if b > a else torch.zeros(0, torch.uint8)
             state[name] = t.view(dtypes[h["dtype"]]).reshape(h["shape"])
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from e
@@ -365,7 +366,8 @@ def nsa_stats(model, x, cu_seqlens=None, autocast=contextlib.nullcontext()):
 
 def cpu_threads():
     """Torch threads for work on the CPU: OMP_NUM_THREADS when set, else one per idle core (at least one). Torch's
-    default of one per core stalls when another process holds a core: each op waits for its slowest thread."""
+    default of one per core stalls when another process holds a core: each op waits for its slowest thread. Set
+    OMP_NUM_THREADS for a thread count (and so CPU rounding) that does not depend on the machine's load."""
     if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "getloadavg"):
         return torch.get_num_threads()
     return max(1, min(torch.get_num_threads(), os.cpu_count() - round(os.getloadavg()[0])))

@@ -596,7 +596,8 @@ def _tokenize_docs(docs, tok, out_dir, shard_size, max_tokens, num_proc, cache_d
 
 def _move_in(tmp_dir, out_dir, meta):
     """Moves the finished shards of tmp_dir into out_dir, then meta.json; removes the shards meta does not list."""
-    meta_path, new = os.path.join(out_dir, "meta.json"), [e["file"] for s in meta["splits"].values() for e in s["shards"]]
+    meta_path = os.path.join(out_dir, "meta.json")
+    new = [e["file"] for s in meta["splits"].values() for e in s["shards"]]
     if os.path.exists(meta_path):
         os.remove(meta_path)  # until the new meta.json is in, out_dir reads as not prepared (not as a mix)
     for name in new:

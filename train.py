@@ -184,7 +184,8 @@ model_keys = ["block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hid
 model_args = dict(vocab_size=meta["vocab_size"], **{k: globals()[k] for k in model_keys})
 iter_num, best_val_loss, ckpt = 0, float("inf"), None
 if init_from == "resume":
-    ckpt = load_checkpoint(ckpt_path, ("model", "model_args", "optimizer", "scaler", "iter_num", "best_val_loss", "rng"))
+    ckpt = load_checkpoint(ckpt_path, ("model", "model_args", "optimizer", "scaler", "iter_num", "best_val_loss",
+                                       "rng"))
     saved = ckpt["model_args"]
     clash = [f"{k}={globals()[k]!r} (the checkpoint has {saved[k]!r})" for k in model_keys
              if k in _overrides and k != "backend" and globals()[k] != saved[k]]
@@ -343,7 +344,7 @@ def export_safetensors():
     """model.safetensors (a tied lm_head.weight left out: config.json says tie_embeddings) + config.json."""
     tied = model_args["tie_embeddings"]
     state = {k: v for k, v in raw_model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    path, info = os.path.join(out_dir, "model.safetensors"), dict(format="pt", source="nanoNSA train.py", step=str(iter_num))
+    path, info = os.path.join(out_dir, "model.safetensors"), dict(format="pt", source="nanoNSA", step=str(iter_num))
     atomic_write(path, lambda f: write_safetensors(f, state, info))
     cfg = dict(model_args, tokenizer=meta["tokenizer"], eot=meta["eot"], step=iter_num, architecture="nanoNSA GPT")
     atomic_write(os.path.join(out_dir, "config.json"), lambda f: f.write(json.dumps(cfg, indent=1).encode()))

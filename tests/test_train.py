@@ -69,11 +69,13 @@ def train(data_dir, out_dir, *args, nproc=1, expect_rc=0, faults=None, file_limi
                                                      f"--nproc_per_node={nproc}"]
     if faults:
         launcher += ["-c", FAULTS, json.dumps(faults)]
-    cmd = launcher + ["train.py", "config/cpu_smoke.py", f"--data_dir={data_dir}", f"--out_dir={out_dir}", *COMMON, *args]
+    cmd = launcher + ["train.py", "config/cpu_smoke.py", f"--data_dir={data_dir}", f"--out_dir={out_dir}", *COMMON,
+                      *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, resource.RLIM_INFINITY))) if file_limit else None
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, preexec_fn=limit)
-    assert r.returncode == expect_rc, f"{' '.join(cmd)} returned {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, resource.RLIM_INFINITY))  # noqa: E731
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+                       preexec_fn=limit if file_limit else None)
+    assert r.returncode == expect_rc, f"{cmd} returned {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     if expect_rc:  # a user error or a stopped run: one error line, no traceback
         assert "Traceback" not in r.stderr and r.stderr.strip().splitlines()[-1].startswith("error: "), r.stderr
     return r.stdout + r.stderr
