@@ -344,7 +344,8 @@ def export_safetensors():
     """model.safetensors (a tied lm_head.weight left out: config.json says tie_embeddings) + config.json."""
     tied = model_args["tie_embeddings"]
     state = {k: v for k, v in raw_model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    path, info = os.path.join(out_dir, "model.safetensors"), dict(format="pt", source="nanoNSA", step=str(iter_num))
+    path = os.path.join(out_dir, "model.safetensors")
+    info = dict(format="pt", source="nanoNSA train.py", step=str(iter_num))
     atomic_write(path, lambda f: write_safetensors(f, state, info))
     cfg = dict(model_args, tokenizer=meta["tokenizer"], eot=meta["eot"], step=iter_num, architecture="nanoNSA GPT")
     atomic_write(os.path.join(out_dir, "config.json"), lambda f: f.write(json.dumps(cfg, indent=1).encode()))
