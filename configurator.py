@@ -1,9 +1,31 @@
 """Poor man's configurator (after nanoGPT): exec'd by train.py / sample.py / bench.py / prepare_data.py.
 `python train.py config/some_file.py --batch_size=32`: config files are exec'd, then --key=value overrides are
-literal_eval'd; every key must be an existing default global of the script and keep its type, else ValueError."""
+literal_eval'd; every key must be an existing default global of the script and keep its type, else ValueError.
+_overrides records what was set ({key: origin}). A ValueError raised by this repo's code is a user error: the
+script ends with its message as one line `error: ...` and exit status 1; any other exception keeps its traceback."""
+import difflib
+import os
 import sys
 import types
 from ast import literal_eval
+
+
+def _user_error_hook(kind, err, tb, _default=sys.excepthook,
+                     _repo=os.path.dirname(os.path.abspath(globals().get("__file__", sys.argv[0])))):
+    """sys.excepthook: one line for a ValueError raised in a file of this repo, else the traceback."""
+    last = tb
+    while last.tb_next is not None:
+        last = last.tb_next
+    where = os.path.abspath(last.tb_frame.f_globals.get("__file__") or "?")
+    if issubclass(kind, ValueError) and os.path.dirname(where) == _repo:
+        print(f"error: {err}", file=sys.stderr)
+    else:
+        _default(kind, err, tb)
+
+
+if __name__ == "__main__":  # the running script (not a test that execs this file)
+    sys.excepthook = _user_error_hook
+_overrides = {}
 
 
 def _cfg_keys():  # the script's config defaults: lowercase globals holding a bool/int/float/str/tuple/list
@@ -13,15 +35,18 @@ def _cfg_keys():  # the script's config defaults: lowercase globals holding a bo
 
 def _cfg_set(key, val, origin):
     if key not in _cfg_keys():
-        raise ValueError(f"unknown config key {key!r} (from {origin}); expected one of {sorted(_cfg_keys())}")
+        near = difflib.get_close_matches(key, _cfg_keys(), n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise ValueError(f"unknown config key {key!r} (from {origin}); {hint}`python {sys.argv[0]} --help` lists them")
     old = globals()[key]
     if type(old) is float and type(val) is int:  # --lr=1 means 1.0
         val = float(val)
     if type(val) is not type(old):
         raise ValueError(f"config key {key!r} (from {origin}) must be {type(old).__name__} like its default "
                          f"{old!r}, got {type(val).__name__} {val!r}")
-    print(f"Overriding: {key} = {val!r}")
     globals()[key] = val
+    _overrides.pop(key, None)
+    _overrides[key] = origin  # in the order set
 
 
 for _arg in sys.argv[1:]:
@@ -31,13 +56,16 @@ for _arg in sys.argv[1:]:
             print(f"  --{_k}={_v!r}")
         sys.exit(0)
     elif not _arg.startswith("--"):  # a config file: plain assignments, exec'd against the current values
-        print(f"Overriding config with {_arg}")
+        if not os.path.isfile(_arg):
+            raise ValueError(f"no such config file {_arg!r} (arguments are config files or --key=value)")
         _scope = dict(globals())
         with open(_arg) as _f:
             exec(_f.read(), _scope)
-        for _k, _v in _scope.items():
-            if not _k.startswith("_") and not isinstance(_v, types.ModuleType) and _v is not globals().get(_k):
-                _cfg_set(_k, _v, _arg)
+        _set = [_k for _k, _v in _scope.items()
+                if not _k.startswith("_") and not isinstance(_v, types.ModuleType) and _v is not globals().get(_k)]
+        for _k in _set:
+            _cfg_set(_k, _scope[_k], _arg)
+        print(f"Overriding config with {_arg} ({len(_set)} keys)")
     elif "=" in _arg:
         _k, _raw = _arg[2:].split("=", 1)
         try:
@@ -49,3 +77,6 @@ for _arg in sys.argv[1:]:
         _cfg_set(_k, _v, _arg)
     else:
         raise ValueError(f"argument {_arg!r} must be --key=value or a config file path")
+_cli = [_k for _k, _o in _overrides.items() if _o.startswith("--")]
+if _cli:
+    print("Overriding: " + ", ".join(f"{_k}={globals()[_k]!r}" for _k in _cli))

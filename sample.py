@@ -1,6 +1,7 @@
 """Sample from a trained model: loads out_dir/ckpt.pt (train.py) or model.safetensors + config.json, prefills the prompt
-into each layer's static decode cache (model.py, nsa_attention.py) and generates one token per step, printing tokens/s.
-`python sample.py --out_dir=out --start="ROMEO:"`; `--plot_selection=sel.png` draws which blocks NSA read at each step.
+into each layer's static decode cache (model.py, nsa_attention.py) and generates one token per step, printing sample 0
+as it comes and then tokens/s. `python sample.py --out_dir=out --start="ROMEO:"`; `--plot_selection=sel.png` draws
+which blocks NSA read at each step.
 """
 import json
 import os
@@ -8,12 +9,13 @@ import time
 
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, cpu_threads, load_checkpoint, read_safetensors
 
 # -----------------------------------------------------------------------------
 out_dir = "out"  # where train.py wrote ckpt.pt (or model.safetensors + config.json)
 start = "\n"  # the prompt, or "FILE:path" to read it from a UTF-8 file
 num_samples = 4  # samples, drawn together as one batch
+stream = True  # print sample 0 token by token as it is generated (a host sync per token); the others when done
 max_new_tokens = 200  # tokens generated per sample
 temperature = 0.8  # 1.0 = the model's distribution, < 1 sharper, 0 = greedy (argmax)
 top_k = 200  # keep only the k most likely tokens (0 = all)
@@ -31,61 +33,28 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator
 # -----------------------------------------------------------------------------
 
 
-def load_checkpoint(out_dir):
-    """(model_args, state_dict, training config) from out_dir/ckpt.pt, else out_dir/model.safetensors + config.json."""
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    st_path, json_path = os.path.join(out_dir, "model.safetensors"), os.path.join(out_dir, "config.json")
-    if os.path.exists(ckpt_path):
-        try:
-            ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise ValueError(f"{ckpt_path} is not a readable checkpoint ({type(e).__name__}: {e}); "
-                             f"re-run train.py") from e
-        if not isinstance(ckpt, dict) or not {"model_args", "model"} <= set(ckpt):
-            keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
-            raise ValueError(f"{ckpt_path} must be a dict with 'model_args' and 'model' (train.py's format), "
-                             f"got {keys}")
-        return ckpt["model_args"], ckpt["model"], ckpt.get("config", {}), ckpt_path
-    if os.path.exists(st_path):
+def load_model(out_dir, backend=""):
+    """The GPT of out_dir/ckpt.pt (train.py), else of out_dir/model.safetensors + config.json, in eval mode on the CPU;
+    and its training config dict."""
+    path, st_path, json_path = (os.path.join(out_dir, f) for f in ("ckpt.pt", "model.safetensors", "config.json"))
+    if os.path.exists(path):
+        ckpt = load_checkpoint(path)
+        model_args, state, train_cfg = ckpt["model_args"], ckpt["model"], ckpt.get("config", {})
+    elif os.path.exists(st_path):
         if not os.path.exists(json_path):
             raise ValueError(f"{st_path} needs {json_path} beside it (the GPTConfig arguments)")
+        state, path = read_safetensors(st_path), st_path
         try:
-            state = read_safetensors(st_path)
             with open(json_path) as f:
-                meta = json.load(f)
-        except Exception as e:
-            raise ValueError(f"{st_path} / {json_path} unreadable ({type(e).__name__}: {e})") from e
+                train_cfg = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{json_path} is not valid JSON ({e})") from e
         fields = GPTConfig.__dataclass_fields__
-        model_args = meta.get("model_args", {k: v for k, v in meta.items() if k in fields})
-        return model_args, state, meta.get("config", meta), st_path
-    raise ValueError(f"no checkpoint in out_dir={out_dir!r}: expected ckpt.pt (train.py) or model.safetensors + "
-                     f"config.json")
-
-
-def read_safetensors(path):
-    """{name: tensor} of a .safetensors file (8-byte little-endian header length, JSON header, raw tensors), read
-    without the safetensors package, as train.py writes it without one."""
-    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
-    with open(path, "rb") as f:
-        data = f.read()
-    n = int.from_bytes(data[:8], "little")
-    if len(data) < 8 or n > len(data) - 8:
-        raise ValueError(f"header length {n} does not fit a {len(data)}-byte file")
-    header = json.loads(data[8:8 + n])
-    header.pop("__metadata__", None)
-    body, state = memoryview(data)[8 + n:], {}
-    for name, h in header.items():
-        a, b = h["data_offsets"]
-        if h["dtype"] not in dtypes or not 0 <= a <= b <= len(body):
-            raise ValueError(f"tensor {name!r}: dtype {h['dtype']} or offsets {a}..{b} not readable")
-        t = torch.frombuffer(bytearray(body[a:b]), dtype=torch.uint8) if b > a else torch.zeros(0, dtype=torch.uint8)
-        state[name] = t.view(dtypes[h["dtype"]]).reshape(h["shape"])
-    return state
-
-
-def load_model(out_dir, backend=""):
-    """The GPT of out_dir's checkpoint (eval mode, on the CPU) and its training config dict."""
-    model_args, state, train_cfg, path = load_checkpoint(out_dir)
+        model_args = train_cfg.get("model_args", {k: v for k, v in train_cfg.items() if k in fields})
+        train_cfg = train_cfg.get("config", train_cfg)
+    else:
+        raise ValueError(f"no checkpoint in out_dir={out_dir!r}: expected ckpt.pt (train.py) or model.safetensors + "
+                         f"config.json")
     if backend:
         model_args = {**model_args, "backend": backend}
     try:
@@ -116,8 +85,9 @@ def load_tokenizer(name, train_cfg, vocab_size):
         raise ValueError(f"cannot tell the tokenizer of a model with vocab_size={vocab_size}: "
                          f"pass --tokenizer=byte or --tokenizer=gpt2")
     tok = get_tokenizer(name)
-    if tok.vocab_size > vocab_size:
-        raise ValueError(f"tokenizer {name!r} has {tok.vocab_size} tokens but the model only {vocab_size}")
+    if tok.vocab_size != vocab_size:
+        raise ValueError(f"tokenizer {name!r} has {tok.vocab_size} tokens, the model {vocab_size}: pass the "
+                         f"tokenizer it was trained with, or leave --tokenizer empty to take it from the checkpoint")
     return tok
 
 
@@ -152,10 +122,11 @@ def sample_next(logits, temperature, top_k, top_p, generator):
 
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, generator=None, compile=False,
-             record_layer=-1):
+             record_layer=-1, on_token=None):
     """Sample max_new_tokens after each prompt (a list of token-id lists, lengths may differ: right-padded prefill
     with per-row positions). Returns (new tokens (B, max_new_tokens) on the CPU, stats dict); with record_layer >= 0
-    stats["record"] holds that layer's sel_idx, sel_score, gate and reads of row 0 at every decode step."""
+    stats["record"] holds that layer's sel_idx, sel_score, gate and reads of row 0 at every decode step.
+    on_token(tokens) is called with each step's new tokens (B,) as soon as they are sampled (a host sync each)."""
     dev = model.lm_head.weight.device
     B, T = len(prompts), max(len(p) for p in prompts)
     idx = torch.zeros(B, T, dtype=torch.long)
@@ -170,6 +141,8 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
     t0 = time.perf_counter()
     logits = model.prefill(idx, lengths)[torch.arange(B, device=dev), lengths - 1]   # (B, vocab)
     out, rec = [sample_next(logits, temperature, top_k, top_p, generator)], []
+    if on_token:
+        on_token(out[-1])
     sync()
     t1 = t2 = time.perf_counter()
     pos = lengths
@@ -178,6 +151,8 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
             torch.compiler.cudagraph_mark_step_begin()
         logits = step(out[-1], pos)                                            # (B, vocab)
         out.append(sample_next(logits, temperature, top_k, top_p, generator))
+        if on_token:
+            on_token(out[-1])
         if record_layer >= 0:
             c = model.blocks[record_layer].attn.kv_cache
             rec.append([t[0].clone() for t in (c.sel_idx, c.sel_score, c.gate, c.reads)] + [pos[0].clone()])
@@ -193,6 +168,22 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
     if record_layer >= 0:
         stats["record"] = [torch.stack([r[k] for r in rec]).cpu() for k in range(5)] if rec else None
     return new, stats
+
+
+def print_row0(tok, prompt):
+    """An on_token callback for generate() that prints the prompt and then row 0's text as its tokens arrive; called
+    with None, it prints what is left and ends the line. Text that ends in U+FFFD (a character whose bytes have not
+    all arrived) waits for the next token, so the pieces add up to tok.decode(prompt + row 0)."""
+    pending = list(prompt)
+
+    def on_token(tokens):
+        if tokens is not None:
+            pending.append(int(tokens[0]))
+        text = tok.decode(pending)
+        if tokens is None or not text.endswith("\ufffd"):
+            print(text, end="\n" if tokens is None else "", flush=True)
+            pending.clear()
+    return on_token
 
 
 def plot_selection_png(path, record, config, layer, group):
@@ -228,10 +219,9 @@ def plot_selection_png(path, record, config, layer, group):
     ax2.set_ylabel(f"gate ({config.gate})")
     ax2.set_xlim(x0, x1)
     ax2.legend(loc="best", ncol=3)
-    tmp = f"{path}.tmp{os.getpid()}"
-    fig.savefig(tmp, format="png", dpi=110)
+    from prepare_data import atomic_write
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def main():
@@ -241,6 +231,8 @@ def main():
         raise ValueError(f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1, got {temperature}, {top_k}, {top_p}")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(cpu_threads())
     torch.manual_seed(seed)
     model, train_cfg = load_model(out_dir, backend)
     cfg = model.config
@@ -260,10 +252,14 @@ def main():
         raise ValueError(f"start={start!r} is empty: give a prompt of at least one token (--start=TEXT or FILE:path)")
     model.to(device=device, dtype=getattr(torch, dtype))
     gen = torch.Generator(device=device).manual_seed(seed)
+    show = print_row0(tok, prompt) if stream else None
     new, stats = generate(model, [prompt] * num_samples, max_new_tokens, temperature, top_k, top_p, gen, compile,
-                          plot_layer if plot_selection else -1)
-    for row in new.tolist():
-        print(tok.decode(prompt + row))
+                          plot_layer if plot_selection else -1, show)
+    for b, row in enumerate(new.tolist()):
+        if show and b == 0:
+            show(None)                                                         # the rest of sample 0
+        else:
+            print(tok.decode(prompt + row))
         print("---------------")
     print(f"{num_samples} x {max_new_tokens} tokens on {device} ({dtype}, {cfg.attn}, compile={compile}): prefill of "
           f"{len(prompt)} tokens {stats['prefill_s'] * 1e3:.0f} ms, first step {stats['first_step_s'] * 1e3:.0f} ms, "

@@ -3,29 +3,31 @@ One process: `python train.py config/cpu_smoke.py`; DDP: `torchrun --nproc_per_n
 Writes out_dir/ckpt.pt (read by sample.py and init_from='resume'), train_log.csv, loss.png, model.safetensors."""
 import csv
 import functools
+import io
 import json
 import math
 import os
 import resource
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from model import GPT, GPTConfig
-from prepare_data import TokenShards
+from model import BRANCHES, GPT, GPTConfig, cpu_threads, load_checkpoint, nsa_stats, write_safetensors
+from prepare_data import TokenShards, atomic_write
 
 # -----------------------------------------------------------------------------
 # default config values: byte-level Shakespeare, NSA, ~10M parameters (config/track_a_shakespeare.py)
 # I/O
 out_dir = "out"  # checkpoints, train_log.csv, loss.png, model.safetensors + config.json
 data_dir = "data/shakespeare_byte"  # written by prepare_data.py: train_*.bin, val_*.bin, meta.json
-init_from = "scratch"  # 'scratch' | 'resume' (continues out_dir/ckpt.pt bit for bit on the same device)
+init_from = "scratch"  # 'scratch' | 'resume' (continues out_dir/ckpt.pt bit for bit, in its architecture)
+overwrite = False  # let init_from='scratch' replace the ckpt.pt and train_log.csv of an earlier run in out_dir
 eval_every = 250  # steps between evaluations of train/val loss
 eval_iters = 20  # batches per evaluation (the same batches every time, split over the ranks)
 log_every = 10  # steps between log lines / train_log.csv rows
@@ -68,6 +70,7 @@ weight_decay = 0.1  # on matrices only (model.configure_optimizers)
 beta1 = 0.9  # AdamW beta1
 beta2 = 0.95  # AdamW beta2
 grad_clip = 1.0  # clip the global gradient norm to this; 0 = no clipping (the norm is still logged)
+max_skipped_steps = 10  # a step whose gradient norm is not finite is not applied; stop after this many in a row
 decay_lr = True  # warmup + cosine; False = constant learning_rate
 warmup_iters = 100  # linear warmup steps
 lr_decay_iters = 5000  # cosine reaches min_lr here (usually = max_iters)
@@ -76,10 +79,9 @@ min_lr = 1e-4  # learning rate after lr_decay_iters
 device = "auto"  # 'auto' (cuda if available) | 'cpu' | 'cuda' | 'cuda:1'
 dtype = "bfloat16"  # autocast dtype: 'bfloat16' | 'float16' (with GradScaler) | 'float32' (no autocast)
 compile = True  # torch.compile(model, dynamic=False, fullgraph=True) for training and eval
-compile_mode = "default"  # torch.compile mode; 'reduce-overhead' replays CUDA graphs (on one H100, track A's NSA step
-# went from 65 to 20 ms: at T=1024 its many small kernels leave the GPU waiting for Python)
+compile_mode = "default"  # torch.compile mode; 'reduce-overhead' replays CUDA graphs (NSA's many small kernels at
+# T=1024 otherwise leave the GPU waiting for Python)
 activation_checkpointing = False  # recompute each block in the backward: less memory, ~1/3 more compute
-nan_at_step = -1  # testing only: make the loss NaN at this step to exercise the NaN guard; -1 = never
 # -----------------------------------------------------------------------------
 _config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
@@ -95,6 +97,17 @@ if compile_mode not in ("default", "reduce-overhead"):
     raise ValueError(f"compile_mode must be 'default' or 'reduce-overhead', got {compile_mode!r}")
 if doc_batches and batch_size * block_size >= 2**31:
     raise ValueError(f"doc_batches needs batch_size * block_size < 2**31, got {batch_size * block_size}")
+# out_dir: an earlier run's checkpoint and log are replaced only when asked; an unwritable out_dir fails here
+ckpt_path, log_path, stop_path = (os.path.join(out_dir, f) for f in ("ckpt.pt", "train_log.csv", "STOP"))
+earlier = [path for path in (ckpt_path, log_path) if os.path.exists(path)]
+if init_from == "scratch" and earlier and not overwrite:
+    raise ValueError(f"{earlier[0]} is from an earlier run: continue it with --init_from=resume, choose another "
+                     f"--out_dir, or pass --overwrite=True to replace it")
+try:
+    os.makedirs(out_dir, exist_ok=True)
+    tempfile.TemporaryFile(dir=out_dir).close()
+except OSError as e:
+    raise ValueError(f"cannot write to out_dir={out_dir!r} ({e.strerror}): choose another --out_dir") from None
 
 # -----------------------------------------------------------------------------
 # DDP / device: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE; NCCL on CUDA, gloo on CPU
@@ -123,16 +136,16 @@ if compile and compile_mode == "reduce-overhead" and accum > 1:
                      f"gradients live in its memory pool, which the next micro-batch overwrites before they are summed")
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = "cuda" if device.startswith("cuda") else "cpu"
+if device_type == "cpu":
+    torch.set_num_threads(cpu_threads())
 torch.manual_seed(seed)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 ptdtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
 ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
 if master:
-    os.makedirs(out_dir, exist_ok=True)
     print(f"{world} rank(s) on {device}, {dtype}; tokens per step: {tokens_per_iter:,} "
           f"({gradient_accumulation_steps} micro-batches x {batch_size} x {block_size})")
-ckpt_path, log_path, stop_path = (os.path.join(out_dir, f) for f in ("ckpt.pt", "train_log.csv", "STOP"))
 
 # -----------------------------------------------------------------------------
 # data: one shared stream of batches (the same generator state on every rank); rank r takes every world-th batch,
@@ -142,54 +155,53 @@ meta = train_data.meta
 train_gen = torch.Generator().manual_seed(seed)
 
 
-def draw(data, gen):
-    """One micro-batch on the device: x, y (B, T) int64 and cu_seqlens None; or with doc_batches x, y (1, B*T)
-    and cu_seqlens int32 (N + 1,), under compile padded with empty sequences to a multiple of 32 entries (few shapes,
-    few recompiles; eager skips the padding, which costs the reference a loop step per empty sequence)."""
-    if not doc_batches:
-        x, y = data.random_batch(batch_size, block_size, gen)                  # (B, T), (B, T)
-        cu = None
-    else:
-        x, y, cu = data.doc_batch(batch_size, block_size, gen)                 # (1, B*T), (1, B*T), (N + 1,)
-        if compile:
-            cu = torch.cat([cu, cu[-1:].repeat(-len(cu) % 32)])                # (32k,) trailing empty sequences
+def get_batch(data, gen, mine=True):
+    """The next micro-batch of the shared stream on the device (mine=False: another rank's, only drawn to advance
+    gen): x, y (B, T) int64 and cu_seqlens None; or with doc_batches x, y (1, B*T) and cu_seqlens int32 (N + 1,),
+    under compile padded with empty sequences to a multiple of 32 entries (few shapes, few recompiles; eager skips
+    the padding, which costs the reference a loop step per empty sequence)."""
+    x, y, cu = data.doc_batch(batch_size, block_size, gen) if doc_batches else (
+        *data.random_batch(batch_size, block_size, gen), None)                 # (B, T) or (1, B*T); (N + 1,)
+    if not mine:
+        return None
+    if cu is not None and compile:
+        cu = torch.cat([cu, cu[-1:].repeat(-len(cu) % 32)])                    # (32k,) trailing empty sequences
     if device_type == "cuda":
-        x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-        cu = None if cu is None else cu.pin_memory().to(device, non_blocking=True)
-    else:
-        x, y, cu = x.to(device), y.to(device), None if cu is None else cu.to(device)
-    return x, y, cu
+        return tuple(None if t is None else t.pin_memory().to(device, non_blocking=True) for t in (x, y, cu))
+    return tuple(None if t is None else t.to(device) for t in (x, y, cu))
 
 
-def skip(data, gen):
-    """Advances the generator past one micro-batch of another rank."""
-    (data.doc_batch if doc_batches else data.random_batch)(batch_size, block_size, gen)
-
-
-def get_batch(data, gen):
-    """The next micro-batch of this rank: the ranks take turns over the shared stream."""
-    mine = None
-    for r in range(world):
-        if r == rank:
-            mine = draw(data, gen)
-        else:
-            skip(data, gen)
-    return mine
+def next_batch(data, gen):
+    """This rank's next micro-batch: the ranks take turns over the shared stream."""
+    return [get_batch(data, gen, r == rank) for r in range(world)][rank]
 
 
 # -----------------------------------------------------------------------------
-# model: from scratch or from out_dir/ckpt.pt (its architecture wins over the config's)
+# model: from scratch, or from out_dir/ckpt.pt in its architecture (a setting that contradicts it is an error)
 model_keys = ["block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "attn", "tie_embeddings",
               "rope_theta", "dropout", "cmp_block", "cmp_stride", "sel_block", "n_select", "n_init", "n_local",
               "window", "gate", "cmp_hidden", "backend"]
 model_args = dict(vocab_size=meta["vocab_size"], **{k: globals()[k] for k in model_keys})
 iter_num, best_val_loss, ckpt = 0, float("inf"), None
 if init_from == "resume":
-    if not os.path.exists(ckpt_path):
-        raise ValueError(f"init_from='resume' needs {ckpt_path}; train with init_from='scratch' first")
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)  # RNG states must stay CPU tensors
-    model_args.update({k: v for k, v in ckpt["model_args"].items() if k != "backend"})  # backend: this machine's
+    ckpt = load_checkpoint(ckpt_path, ("model", "model_args", "optimizer", "scaler", "iter_num", "best_val_loss",
+                                       "rng"))
+    saved = ckpt["model_args"]
+    clash = [f"{k}={globals()[k]!r} (the checkpoint has {saved[k]!r})" for k in model_keys
+             if k in _overrides and k != "backend" and globals()[k] != saved[k]]
+    if clash:
+        raise ValueError(f"init_from='resume' continues {ckpt_path} in its architecture, but this run sets "
+                         f"{', '.join(clash)}: drop those settings, or train a new model in another out_dir")
+    if saved["vocab_size"] != meta["vocab_size"]:
+        raise ValueError(f"{ckpt_path} was trained on {ckpt.get('tokenizer')} tokens (vocab {saved['vocab_size']}) "
+                         f"but data_dir={data_dir!r} holds {meta['tokenizer']} tokens (vocab {meta['vocab_size']}): "
+                         f"resume with the checkpoint's --data_dir={ckpt.get('config', {}).get('data_dir')!r}")
+    model_args.update({k: v for k, v in saved.items() if k != "backend"})  # backend: this machine's
+    block_size = model_args["block_size"]  # the batches' length too
+    config.update({k: model_args[k] for k in model_keys})
     iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+for data in (train_data, val_data):  # both splits up front: val is first read after the whole first train eval
+    data.check_block_size(block_size)
 model = GPT(GPTConfig(**model_args))
 if ckpt is not None:
     model.load_state_dict(ckpt["model"])
@@ -236,12 +248,10 @@ def estimate_loss():
     for split, data in (("train", train_data), ("val", val_data)):
         gen, total = torch.Generator().manual_seed(seed + 1), torch.zeros(2, device=device)  # (loss sum, batches)
         for i in range(eval_iters):
-            if i % world == rank:
-                x, y, cu = draw(data, gen)
+            batch = get_batch(data, gen, mine=i % world == rank)
+            if batch is not None:
                 with ctx:
-                    total += torch.stack([forward(x, y, cu)[1].float(), torch.ones((), device=device)])
-            else:
-                skip(data, gen)
+                    total += torch.stack([forward(*batch)[1].float(), torch.ones((), device=device)])
         if ddp:
             dist.all_reduce(total)
         out[split] = (total[0] / total[1]).item()
@@ -260,37 +270,7 @@ def get_lr(it):
 
 
 # -----------------------------------------------------------------------------
-# observability helpers (rank 0): NSA statistics, the CSV log, the loss plot, checkpoint and export
-
-BRANCHES = ("cmp", "slc", "win")
-
-
-@torch.no_grad()
-def nsa_stats(x, cu):
-    """Per layer and branch: gate mean/std over tokens and heads, and the branch's share of the gated output norm,
-    ||g_b * o_b|| / sum_b' ||g_b' * o_b'||. From an eager no-grad forward of raw_model on one micro-batch, with each
-    NSAAttention recording its gate weights (B, T, HQ, 3) and branch outputs (B, T, HQ, D). In eval mode: no dropout,
-    so the statistics draw no random numbers and the run is the same whatever diag_every is."""
-    stats, attns = {}, [block.attn for block in raw_model.blocks]
-    for attn in attns:
-        attn.record = True
-    raw_model.eval()
-    try:
-        with ctx:
-            raw_model(x, None, cu)
-    finally:
-        raw_model.train()
-        for attn in attns:
-            attn.record = False
-    for i, attn in enumerate(attns):
-        rec = attn.__dict__.pop("recorded")
-        g = rec["gate"].float()                                                # (B, T, HQ, 3) gate weights
-        norms = torch.stack([(g[..., b:b + 1] * rec[name].float()).norm() for b, name in enumerate(BRANCHES)])
-        for b, name in enumerate(BRANCHES):
-            stats[f"L{i}_gate_{name}_mean"] = g[..., b].mean().item()
-            stats[f"L{i}_gate_{name}_std"] = g[..., b].std().item()
-            stats[f"L{i}_share_{name}"] = (norms[b] / norms.sum()).item()
-    return stats
+# observability helpers (rank 0): the CSV log, the loss plot, checkpoint and export (NSA statistics: model.py)
 
 
 def keys_per_query(cu):
@@ -311,11 +291,14 @@ if model_args["attn"] == "nsa":
 def log_row(**row):
     """Appends one row to train_log.csv (rank 0); missing columns stay empty."""
     new = not os.path.exists(log_path)
-    with open(log_path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=log_fields)
-        if new:
-            w.writeheader()
-        w.writerow(row)
+    try:
+        with open(log_path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=log_fields)
+            if new:
+                w.writeheader()
+            w.writerow(row)
+    except OSError as e:
+        raise ValueError(f"cannot write {log_path}: {e.strerror}") from e
 
 
 def plot_losses():
@@ -341,10 +324,8 @@ def plot_losses():
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{model_args['attn']}, T={block_size}")
     ax.legend()
     fig.tight_layout()
-    tmp = os.path.join(out_dir, "loss.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    atomic_write(os.path.join(out_dir, "loss.png"), lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
-    os.replace(tmp, os.path.join(out_dir, "loss.png"))
 
 
 def save_checkpoint():
@@ -354,38 +335,20 @@ def save_checkpoint():
                 tokenizer=meta["tokenizer"], eot=meta["eot"],
                 rng=dict(torch=torch.get_rng_state(), data=data_state,
                          cuda=torch.cuda.get_rng_state_all() if device_type == "cuda" else []))
-    torch.save(ckpt, ckpt_path + ".tmp")
-    os.replace(ckpt_path + ".tmp", ckpt_path)
+    atomic_write(ckpt_path, functools.partial(torch.save, ckpt))
     print(f"saved {ckpt_path} at step {iter_num}")
     return iter_num
 
 
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
-
-
 def export_safetensors():
-    """model.safetensors (written here, no library needed: 8-byte header length, JSON header, raw little-endian
-    tensors) + config.json. A tied lm_head.weight is left out (config.json says tie_embeddings)."""
-    tensors, header, offset = {}, {}, 0
-    for name, t in raw_model.state_dict().items():
-        if name == "lm_head.weight" and model_args["tie_embeddings"]:
-            continue
-        data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        header[name] = dict(dtype=SAFETENSORS_DTYPES[t.dtype], shape=list(t.shape), data_offsets=[offset, offset + len(data)])
-        tensors[name], offset = data, offset + len(data)
-    header["__metadata__"] = dict(format="pt", source="nanoNSA train.py", step=str(iter_num))
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
+    """model.safetensors (a tied lm_head.weight left out: config.json says tie_embeddings) + config.json."""
+    tied = model_args["tie_embeddings"]
+    state = {k: v for k, v in raw_model.state_dict().items() if not (tied and k == "lm_head.weight")}
     path = os.path.join(out_dir, "model.safetensors")
-    with open(path + ".tmp", "wb") as f:
-        f.write(len(head).to_bytes(8, "little") + head)
-        for data in tensors.values():
-            f.write(data)
-    os.replace(path + ".tmp", path)
+    info = dict(format="pt", source="nanoNSA train.py", step=str(iter_num))
+    atomic_write(path, lambda f: write_safetensors(f, state, info))
     cfg = dict(model_args, tokenizer=meta["tokenizer"], eot=meta["eot"], step=iter_num, architecture="nanoNSA GPT")
-    with open(os.path.join(out_dir, "config.json.tmp"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    os.replace(os.path.join(out_dir, "config.json.tmp"), os.path.join(out_dir, "config.json"))
+    atomic_write(os.path.join(out_dir, "config.json"), lambda f: f.write(json.dumps(cfg, indent=1).encode()))
     print(f"exported {path} and config.json")
 
 
@@ -395,21 +358,36 @@ def memory_gib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS (Linux reports KiB)
 
 
+def fail(why):
+    """Ends every rank; rank 0 prints one error line: what went wrong, the last good checkpoint, what to try."""
+    if master:
+        have = f"{ckpt_path} (step {saved_step})" if saved_step >= 0 else "none written by this run"
+        print(f"error: {why}. Last good checkpoint: {have}. Try a lower learning_rate, a longer warmup_iters, "
+              f"grad_clip > 0 or dtype='bfloat16'.", file=sys.stderr)
+    if ddp:
+        dist.destroy_process_group()
+    sys.exit(1)
+
+
 # -----------------------------------------------------------------------------
 # training loop
 start_iter, resumed = iter_num, init_from == "resume"
-if master and not resumed and os.path.exists(log_path):
-    os.remove(log_path)  # a fresh run starts a fresh log
+if master and not resumed:  # overwrite=True (else an error above): the earlier run's checkpoint and log go
+    for path in earlier:
+        os.remove(path)
 if master and resumed and os.path.exists(log_path):  # drop rows a crashed run wrote after its last checkpoint
     with open(log_path) as f:
         rows = [r for r in csv.DictReader(f) if int(r["step"]) < start_iter or (r["kind"] == "eval"
                                                                                and int(r["step"]) == start_iter)]
-    os.remove(log_path)
-    for r in rows:
-        log_row(**r)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=log_fields)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(log_path, lambda f: f.write(buf.getvalue().encode()))
 data_state = train_gen.get_state()  # the data position of the batch held in X (what a checkpoint saves)
-X, Y, CU = get_batch(train_data, train_gen)
+X, Y, CU = next_batch(train_data, train_gen)
 saved_step = start_iter if resumed else -1  # the step of the last good checkpoint on disk (-1: none yet)
+skipped = 0  # steps in a row whose gradient norm was not finite
 stop_reason, t_start, t_log, last_log_iter = "", time.time(), time.time(), iter_num
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
@@ -428,8 +406,11 @@ while True:
             plot_losses()
     if eval_only:
         break
-    if master and (stop_reason or iter_num >= max_iters or (iter_num % save_every == 0 and iter_num > start_iter)):
-        saved_step = save_checkpoint()
+    if stop_reason or iter_num >= max_iters or (iter_num % save_every == 0 and iter_num > start_iter):
+        if not all(p.isfinite().all() for p in raw_model.parameters()):  # the same on every rank
+            fail(f"the weights are not finite at step {iter_num}, so {ckpt_path} was not written")
+        if master:
+            saved_step = save_checkpoint()
     if stop_reason or iter_num >= max_iters:
         break
 
@@ -441,13 +422,11 @@ while True:
             model.require_backward_grad_sync = micro_step == accum - 1
         with ctx:
             _, loss = forward(X, Y, CU)
-            if iter_num == nan_at_step:
-                loss = loss * float("nan")
             loss = loss / accum
         loss_sum += loss.detach().float()
         if micro_step == accum - 1:
             data_state = train_gen.get_state()
-        X, Y, CU = get_batch(train_data, train_gen)  # fetch the next batch while the device works
+        X, Y, CU = next_batch(train_data, train_gen)  # fetch the next batch while the device works
         scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
@@ -456,17 +435,17 @@ while True:
     flags = torch.stack([loss_sum, torch.tensor(float(stop_flag), device=device)])
     if ddp:
         dist.all_reduce(flags)
-    loss_f = flags[0].item() / world
+    loss_f, norm_f = flags[0].item() / world, grad_norm.item()  # the norm of the all-reduced gradients: one value
     if not math.isfinite(loss_f):
-        if master:
-            have = f"{ckpt_path} (step {saved_step})" if saved_step >= 0 else "none written by this run"
-            print(f"error: loss is {loss_f} at step {iter_num} (lr {lr:.3g}, grad norm {grad_norm.item():.3g}); "
-                  f"stopped without updating the weights. Last good checkpoint: {have}. Try a lower learning_rate, "
-                  f"a longer warmup_iters, grad_clip > 0 or dtype='bfloat16'.", file=sys.stderr)
-        if ddp:
-            dist.destroy_process_group()
-        sys.exit(1)
-    scaler.step(optimizer)
+        fail(f"loss is {loss_f} at step {iter_num} (lr {lr:.3g}, grad norm {norm_f:.3g}); stopped without updating "
+             f"the weights")
+    skipped = 0 if math.isfinite(norm_f) else skipped + 1
+    if not skipped:
+        scaler.step(optimizer)
+    elif master:  # an overflow in the backward: not applied (float16's GradScaler also lowers its scale)
+        print(f"step {iter_num}: gradient norm {norm_f} with a finite loss {loss_f:.4f}: update skipped")
+    if skipped >= max_skipped_steps:
+        fail(f"the gradient norm was not finite at {skipped} steps in a row, the last at step {iter_num}")
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
@@ -475,13 +454,13 @@ while True:
         dt = (time.time() - t_log) / max(1, iter_num + 1 - last_log_iter)  # mean seconds per step since the last log
         tok_s = tokens_per_iter / dt
         mfu = raw_model.estimate_mfu(tokens_per_iter // world, block_size, dt)
-        row = dict(kind="train", step=iter_num, loss=f"{loss_f:.6f}", lr=f"{lr:.6g}", grad_norm=f"{grad_norm.item():.4f}",
+        row = dict(kind="train", step=iter_num, loss=f"{loss_f:.6f}", lr=f"{lr:.6g}", grad_norm=f"{norm_f:.4f}",
                    tokens_per_s=f"{tok_s:.1f}", mfu=f"{mfu:.4f}", mem_gib=f"{memory_gib():.3f}",
                    keys_per_query=f"{keys_per_query(CU_first):.1f}")
         if diag_now:
-            row.update({k: f"{v:.4f}" for k, v in nsa_stats(X_first, CU_first).items()})
+            row.update({k: f"{v:.4f}" for k, v in nsa_stats(raw_model, X_first, CU_first, ctx).items()})
         log_row(**row)
-        print(f"step {iter_num}: loss {loss_f:.4f}, lr {lr:.3g}, grad norm {grad_norm.item():.3f}, "
+        print(f"step {iter_num}: loss {loss_f:.4f}, lr {lr:.3g}, grad norm {norm_f:.3f}, "
               f"{dt * 1000:.1f} ms/step, {tok_s:,.0f} tok/s, MFU {mfu * 100:.1f}%, mem {memory_gib():.2f} GiB")
         t_log, last_log_iter = time.time(), iter_num + 1  # the next interval starts after logging and statistics
     iter_num += 1

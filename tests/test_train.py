@@ -1,10 +1,15 @@
 """CPU tests of train.py, run as subprocesses on tiny shards built here (config/cpu_smoke.py at T=64, 8 steps):
 loss falls; resume continues bit for bit; 2-rank DDP (gloo, torchrun) matches 1 process with the same global batch;
-a STOP file ends cleanly with a checkpoint; a NaN loss stops with an error and leaves the last checkpoint intact."""
+a STOP file ends cleanly with a checkpoint; faults injected into the child (a NaN loss, a NaN gradient with a finite
+loss, NaN weights, a full disk) never cost the last good checkpoint. User errors found before the first step (an
+earlier run in out_dir, a checkpoint that does not fit, a short split) run train.py in this process."""
 import csv
 import importlib.util
 import json
 import os
+import resource
+import runpy
+import shutil
 import subprocess
 import sys
 
@@ -31,14 +36,48 @@ def data_dir(tmp_path_factory):
     return str(root / "bytes")
 
 
-def train(data_dir, out_dir, *args, nproc=1, expect_rc=0):
-    """Runs train.py (under torchrun when nproc > 1) with config/cpu_smoke.py, COMMON and args; returns its output."""
+# Runs train.py (sys.argv[2:]) with faults at the steps in the JSON sys.argv[1], e.g. {"nan_grad": [1]}: nan_loss makes
+# that step's training loss NaN, nan_grad one gradient NaN (the loss stays finite), nan_weights one weight NaN after
+# that step's update. Steps are counted by clip_grad_norm_, which train.py calls once per step after the backward.
+FAULTS = """
+import json, math, runpy, sys, torch, model
+from torch.optim.optimizer import register_optimizer_step_post_hook
+at, sys.argv = json.loads(sys.argv[1]), sys.argv[2:]
+step, forward, clip = [0], model.GPT.forward, torch.nn.utils.clip_grad_norm_
+def nan_loss(self, *args):
+    logits, loss = forward(self, *args)
+    return logits, loss * math.nan if self.training and step[0] in at.get("nan_loss", []) else loss
+def nan_grad(params, *args, **kwargs):
+    params = list(params)
+    if step[0] in at.get("nan_grad", []):
+        params[0].grad.fill_(math.nan)
+    step[0] += 1
+    return clip(params, *args, **kwargs)
+def nan_weights(optimizer, args, kwargs):
+    if step[0] - 1 in at.get("nan_weights", []):
+        optimizer.param_groups[0]["params"][0].data.fill_(math.nan)
+model.GPT.forward, torch.nn.utils.clip_grad_norm_ = nan_loss, nan_grad
+register_optimizer_step_post_hook(nan_weights)
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def train(data_dir, out_dir, *args, nproc=1, expect_rc=0, faults=None, file_limit=0):
+    """Runs train.py (under torchrun when nproc > 1) with config/cpu_smoke.py, COMMON and args; returns its output.
+    faults: {fault: [steps]} injected by FAULTS; file_limit: the largest file (bytes) the run may write."""
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc_per_node={nproc}"]
-    cmd = launcher + ["train.py", "config/cpu_smoke.py", f"--data_dir={data_dir}", f"--out_dir={out_dir}", *COMMON, *args]
+    if faults:
+        launcher += ["-c", FAULTS, json.dumps(faults)]
+    cmd = launcher + ["train.py", "config/cpu_smoke.py", f"--data_dir={data_dir}", f"--out_dir={out_dir}", *COMMON,
+                      *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == expect_rc, f"{' '.join(cmd)} returned {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, resource.RLIM_INFINITY))  # noqa: E731
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+                       preexec_fn=limit if file_limit else None)
+    assert r.returncode == expect_rc, f"{cmd} returned {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    if expect_rc:  # a user error or a stopped run: one error line, no traceback
+        assert "Traceback" not in r.stderr and r.stderr.strip().splitlines()[-1].startswith("error: "), r.stderr
     return r.stdout + r.stderr
 
 
@@ -57,13 +96,17 @@ def load_ckpt(out_dir):
 
 @pytest.fixture(scope="module")
 def full_run(data_dir, tmp_path_factory):
-    """The uninterrupted 8-step run that the other tests compare with."""
-    out = str(tmp_path_factory.mktemp("full"))
-    train(data_dir, out)
-    return out
+    """The uninterrupted 8-step run that the other tests compare with; its output in output.txt beside it."""
+    out = tmp_path_factory.mktemp("full")
+    (out.parent / "output.txt").write_text(train(data_dir, str(out)))
+    return str(out)
 
 
 def test_loss_decreases_and_logs(full_run):
+    text = open(os.path.join(os.path.dirname(full_run), "output.txt")).read()
+    over = [line for line in text.splitlines() if line.startswith("Overriding")]
+    assert over[0] == "Overriding config with config/cpu_smoke.py (25 keys)" and len(over) == 2, over  # not one a key
+    assert over[1].startswith(f"Overriding: data_dir='") and "block_size=64, batch_size=2, " in over[1], over
     loss = losses(full_run)
     assert sorted(loss) == list(range(8))
     assert loss[7] < loss[0] - 0.5, loss
@@ -145,7 +188,7 @@ def test_compile_mode_errors(data_dir, tmp_path):
 
 def test_nan_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     out = str(tmp_path)
-    text = train(data_dir, out, "--nan_at_step=5", "--attn=dense", expect_rc=1)
+    text = train(data_dir, out, "--attn=dense", faults={"nan_loss": [5]}, expect_rc=1)
     assert "error: loss is nan at step 5" in text and "(step 4)" in text
     ckpt = load_ckpt(out)
     assert ckpt["iter_num"] == 4 and ckpt["model_args"]["attn"] == "dense"
@@ -153,12 +196,114 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
 
 
+def test_nan_gradient_is_skipped_and_nan_weights_are_never_saved(full_run, data_dir, tmp_path):
+    # step 1: a NaN gradient with a finite loss is not applied and the run goes on; step 7's update makes a weight
+    # NaN: the checkpoint due at step 8 is refused and the error names step 4's as the last good one
+    out = str(tmp_path)
+    text = train(data_dir, out, faults={"nan_grad": [1], "nan_weights": [7]}, expect_rc=1)
+    assert "step 1: gradient norm nan with a finite loss" in text and "update skipped" in text
+    assert f"error: the weights are not finite at step 8, so {out}/ckpt.pt was not written. " in text
+    assert f"Last good checkpoint: {out}/ckpt.pt (step 4)" in text
+    ckpt = load_ckpt(out)
+    assert ckpt["iter_num"] == 4 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
+    loss, rows = losses(out), log_rows(out, "train")
+    assert rows[1]["grad_norm"] == "nan" and sorted(loss) == list(range(8))
+    assert loss[0] == losses(full_run)[0] and loss[1] == losses(full_run)[1]  # same weights, same batches until then
+    assert all(np.isfinite(v) for v in loss.values())                          # step 1's NaN update was not applied
+
+
+def test_gradient_not_finite_many_steps_in_a_row_stops(data_dir, tmp_path):
+    text = train(data_dir, str(tmp_path), "--max_iters=4", "--max_skipped_steps=2", faults={"nan_grad": [1, 2]},
+                 expect_rc=1)
+    assert "error: the gradient norm was not finite at 2 steps in a row, the last at step 2. " in text
+    assert "Last good checkpoint: none written by this run" in text and not (tmp_path / "ckpt.pt").exists()
+
+
+def test_full_disk_names_the_file_and_leaves_no_temp_file(data_dir, tmp_path):
+    # files may not pass 200 kB: the log and loss.png fit, the ~2 MB checkpoint at the end of step 1 does not
+    text = train(data_dir, str(tmp_path), "--max_iters=1", file_limit=200_000, expect_rc=1)
+    assert f"error: cannot write {tmp_path}/ckpt.pt: File too large" in text
+    assert sorted(os.listdir(tmp_path)) == sorted(["train_log.csv"] + ["loss.png"] * bool(
+        importlib.util.find_spec("matplotlib")))                               # no ckpt.pt, no ckpt.pt.tmp
+
+
+@pytest.fixture
+def train_here(monkeypatch):
+    """Runs train.py in this process (for errors found before the first step); torch's global state is restored."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)                     # configurator.py sets its own
+    state = torch.get_rng_state(), torch.get_num_threads(), torch.backends.cuda.matmul.allow_tf32, \
+        torch.backends.cudnn.allow_tf32
+
+    def run(data_dir, out_dir, *args):
+        monkeypatch.setattr(sys, "argv", ["train.py", "config/cpu_smoke.py", f"--data_dir={data_dir}",
+                                          f"--out_dir={out_dir}", *COMMON, *args])
+        runpy.run_path("train.py", run_name="__main__")
+    yield run
+    torch.set_rng_state(state[0])
+    torch.set_num_threads(state[1])
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = state[2:]
+
+
+def test_an_earlier_run_is_replaced_only_when_asked(full_run, data_dir, tmp_path, train_here):
+    for name in ("ckpt.pt", "train_log.csv"):
+        shutil.copy(os.path.join(full_run, name), tmp_path)
+    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
+    with pytest.raises(ValueError, match=f"{tmp_path}/ckpt.pt is from an earlier run: continue it with "
+                                         r"--init_from=resume, choose another --out_dir, or pass --overwrite=True"):
+        train_here(data_dir, tmp_path)
+    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)} == before
+    train_here(data_dir, tmp_path, "--overwrite=True", "--max_iters=0")       # asked: a new run from step 0
+    assert load_ckpt(tmp_path)["iter_num"] == 0 and losses(tmp_path) == {}
+    assert [r["step"] for r in log_rows(tmp_path, "eval")] == ["0"]
+
+
+def gpt2_like_data(root, n=4096):
+    """A data dir of random GPT-2 token ids in prepare_data.py's format (no tokenizer needed)."""
+    from prepare_data import FORMAT_VERSION, write_shard
+    os.makedirs(root)
+    tokens = np.random.default_rng(0).integers(0, 50257, size=n)
+    splits = {s: dict(documents=1, tokens=n, shards=[dict(file=f"{s}_0000.bin", tokens=n,
+                                                          crc32=write_shard(os.path.join(root, f"{s}_0000.bin"),
+                                                                            tokens, "gpt2", 50257, 50256))])
+              for s in ("train", "val")}
+    with open(os.path.join(root, "meta.json"), "w") as f:
+        json.dump(dict(version=FORMAT_VERSION, tokenizer="gpt2", vocab_size=50257, eot=50256, splits=splits), f)
+    return str(root)
+
+
+def test_resume_refuses_what_does_not_fit_the_checkpoint(full_run, data_dir, tmp_path, train_here):
+    shutil.copy(os.path.join(full_run, "ckpt.pt"), tmp_path)
+    with pytest.raises(ValueError, match=r"init_from='resume' continues .*ckpt.pt in its architecture, but this run "
+                                         r"sets n_layer=4 \(the checkpoint has 2\)"):
+        train_here(data_dir, tmp_path, "--init_from=resume", "--n_layer=4")
+    with pytest.raises(ValueError, match=r"ckpt.pt was trained on byte tokens \(vocab 257\) but data_dir=.* holds "
+                                         r"gpt2 tokens \(vocab 50257\): resume with the checkpoint's --data_dir="):
+        train_here(gpt2_like_data(tmp_path / "gpt2"), tmp_path, "--init_from=resume")
+    for data in (b"", open(os.path.join(full_run, "ckpt.pt"), "rb").read()[:5000], os.urandom(5000)):
+        (tmp_path / "ckpt.pt").write_bytes(data)                               # empty, truncated, random
+        with pytest.raises(ValueError, match=f"^{tmp_path}/ckpt.pt is not a readable checkpoint"):
+            train_here(data_dir, tmp_path, "--init_from=resume")
+
+
+def test_found_before_the_first_step(data_dir, tmp_path, train_here):
+    val = json.load(open(os.path.join(data_dir, "meta.json")))["splits"]["val"]["tokens"]   # shorter than train
+    with pytest.raises(ValueError, match=f"block_size={val} needs a val shard of at least {val + 1} tokens, the "
+                                         f"longest val shard in {data_dir} has {val}"):
+        train_here(data_dir, tmp_path, f"--block_size={val}")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=f"cannot write to out_dir='{tmp_path}/file/out'"):
+        train_here(data_dir, tmp_path / "file" / "out")
+    with pytest.raises(ValueError, match="unknown config key 'bach_size' .*did you mean 'batch_size'"):
+        train_here(data_dir, tmp_path, "--bach_size=4")
+    assert os.listdir(tmp_path) == ["file"]                                   # nothing written
+
+
 @pytest.mark.gpu
 def test_gpu_compiled_bf16_resume_matches(data_dir, tmp_path):
     # CUDA, torch.compile, bf16 autocast, the Triton kernels and dropout (RNG states in the checkpoint): a run cut after
     # step 4 and resumed logs the losses of the uninterrupted run. Not bit for bit: two identical CUDA runs can differ
-    # before the cut already (H100, 2026-11-23: by 1.6e-5 at step 2 in one of two measurements; resumed vs
-    # uninterrupted at most 1.2e-4), so the bound is 5e-4, a hundredth of the change from one step to the next here
+    # before the cut already, so the bound is 5e-4, a hundredth of the change from one step to the next here
     gpu = ["--device=cuda", "--compile=True", "--dtype=bfloat16", "--dropout=0.1"]
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
     train(data_dir, full, *gpu)
