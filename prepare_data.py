@@ -10,6 +10,7 @@ import json
 import math
 import multiprocessing
 import os
+import resource
 import shutil
 import socket
 import struct
@@ -628,10 +629,11 @@ def prepare(dataset="shakespeare", tokenizer="byte", out_dir="", input="", text_
 # --needle=True builds its evaluation prompts with the same needle_document.
 
 needle_block_size = 8192  # needle: each shard is one training row of needle_block_size + 1 tokens (= train.py's T + 1)
-needle_train_tokens = 32_000_000  # needle: train tokens, rounded up to whole rows
+needle_train_tokens = 24_000_000  # needle: train tokens, rounded up to whole rows
 needle_val_tokens = 1_000_000  # needle: val tokens, rounded up to whole rows
 needle_min_len = 256  # needle: shortest document in tokens; lengths are log-uniform up to a whole row
-needle_plain_frac = 0.2  # needle: fraction of documents that are plain filler text (no needle, no question)
+needle_max_docs = 7  # needle: most documents in a row (bounds the sequences of a doc_batches batch: fewer shapes)
+needle_plain_frac = 0.1  # needle: fraction of documents that are plain filler text (no needle, no question)
 needle_multi_frac = 0.0  # needle: fraction of retrieval documents with 2..needle_max_count needles (distinct names)
 needle_max_count = 4  # needle: most needles in one document
 needle_seed = 1337  # needle: seed of the generator (filler offsets, lengths, depths, names, keys)
@@ -706,15 +708,17 @@ def needle_document(filler, length, depth, rng, count=1):
     return tokens, key_pos, length
 
 
-def _needle_rows(filler, n_rows, row_len, rng, min_len, plain_frac, multi_frac, max_count):
-    """n_rows training rows of exactly row_len tokens, each a run of whole documents (the last one fills the row):
+def _needle_rows(filler, n_rows, row_len, rng, min_len, max_docs, plain_frac, multi_frac, max_count):
+    """n_rows training rows of exactly row_len tokens, each a run of at most max_docs whole documents (the last one
+    fills the row):
     yields (tokens uint16 (row_len,), documents, marks [(doc_start, key_pos, answer_pos)])."""
     lo, hi = math.log(min_len), math.log(row_len)
     for _ in range(n_rows):
         docs, marks, used = [], [], 0
         while used < row_len:
             n = int(round(math.exp(rng.uniform(lo, hi))))
-            n = row_len - used if row_len - used - n < min_len else n          # the last document fills the row
+            if row_len - used - n < min_len or len(docs) == max_docs - 1:
+                n = row_len - used                                             # the last document fills the row
             count = int(rng.integers(2, max_count + 1)) if rng.random() < multi_frac else 1
             if rng.random() < plain_frac or n - KEY_DIGITS - 2 < needle_min_length(count):
                 doc = np.empty(n, dtype=np.uint16)
@@ -741,24 +745,24 @@ def needle_answers(data_dir, split):
 
 
 def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_dir="~/.cache/nanonsa", timeout=30.0,
-                   force=False, block_size=8192, train_tokens=32_000_000, val_tokens=1_000_000, min_len=256,
-                   plain_frac=0.2, multi_frac=0.0, max_count=4, seed=1337):
+                   force=False, block_size=8192, train_tokens=24_000_000, val_tokens=1_000_000, min_len=256,
+                   max_docs=7, plain_frac=0.1, multi_frac=0.0, max_count=4, seed=1337):
     """Write the needle dataset (byte tokens) to out_dir: one shard per row of block_size + 1 tokens, so that every
     training window of train.py at T = block_size is one whole row of whole documents; answers_<split>.npy with the
     marks (needle_answers); needle_filler_val.bin, the val filler that sample.py --needle=True draws prompts from.
     Filler: the Shakespeare texts, or the --input text files; train and val documents use disjoint texts."""
     row_len = block_size + 1
-    if not 0 <= plain_frac <= 1 or not 0 <= multi_frac <= 1 or max_count < 1 or min(train_tokens, val_tokens) < 1:
-        raise ValueError(f"needle_plain_frac and needle_multi_frac must be in [0, 1], needle_max_count >= 1 and the "
-                         f"token counts >= 1, got {plain_frac}, {multi_frac}, {max_count}, {train_tokens}, "
-                         f"{val_tokens}")
+    if not 0 <= plain_frac <= 1 or not 0 <= multi_frac <= 1 or min(max_count, max_docs, train_tokens, val_tokens) < 1:
+        raise ValueError(f"needle_plain_frac and needle_multi_frac must be in [0, 1], needle_max_count, "
+                         f"needle_max_docs and the token counts >= 1, got {plain_frac}, {multi_frac}, {max_count}, "
+                         f"{max_docs}, {train_tokens}, {val_tokens}")
     if not needle_min_length() + KEY_DIGITS + 2 <= min_len <= row_len:
         raise ValueError(f"needle_min_len must be in [{needle_min_length() + KEY_DIGITS + 2}, needle_block_size + 1 = "
                          f"{row_len}], got {min_len}")
     out_dir = out_dir or default_data_dir("needle", "byte")
     config = dict(dataset="needle", tokenizer="byte", val_frac=val_frac, split_seed=split_seed, block_size=block_size,
-                  train_tokens=train_tokens, val_tokens=val_tokens, min_len=min_len, plain_frac=plain_frac,
-                  multi_frac=multi_frac, max_count=max_count, seed=seed)
+                  train_tokens=train_tokens, val_tokens=val_tokens, min_len=min_len, max_docs=max_docs,
+                  plain_frac=plain_frac, multi_frac=multi_frac, max_count=max_count, seed=seed)
     val_plays = []
     if input:
         files = _input_files(input)
@@ -785,8 +789,8 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
     splits = {}
     for k, (split, tokens) in enumerate((("train", train_tokens), ("val", val_tokens))):
         rng = np.random.default_rng([seed, k])
-        rows = list(_needle_rows(filler[split], -(-tokens // row_len), row_len, rng, min_len, plain_frac, multi_frac,
-                                 max_count))
+        rows = list(_needle_rows(filler[split], -(-tokens // row_len), row_len, rng, min_len, max_docs, plain_frac,
+                                 multi_frac, max_count))
         names = [f"{split}_{i:04d}.bin" for i in range(len(rows))]
         with ThreadPoolExecutor(16) as pool:  # many small files, each written and fsync'ed: overlap the waits
             crcs = list(pool.map(lambda a: write_shard(os.path.join(out_dir, a[0]), a[1][0], "byte", 257, 256),
@@ -815,6 +819,10 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
         print(f"{split}: {len(s['shards']):,} rows of {row_len} tokens, {s['documents']:,} documents, "
               f"{s['needles']:,} with a needle")
     print(f"wrote {out_dir}/meta.json (byte tokenizer; answers in answers_train.npy, answers_val.npy)")
+    files, limit = sum(len(s["shards"]) for s in splits.values()), resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if files + 100 > limit:
+        print(f"note: train.py keeps each of the {files} shards open, more than this shell allows ({limit}): run "
+              f"`ulimit -n {files + 1000}` before training")
     return meta
 
 
@@ -824,8 +832,8 @@ if __name__ == "__main__":
         if tokenizer != "byte":
             raise ValueError(f"--dataset=needle writes byte tokens (one token per digit), got --tokenizer={tokenizer}")
         prepare_needle(out_dir, input, val_frac, split_seed, cache_dir, timeout, force, needle_block_size,
-                       needle_train_tokens, needle_val_tokens, needle_min_len, needle_plain_frac, needle_multi_frac,
-                       needle_max_count, needle_seed)
+                       needle_train_tokens, needle_val_tokens, needle_min_len, needle_max_docs, needle_plain_frac,
+                       needle_multi_frac, needle_max_count, needle_seed)
     else:
         prepare(dataset=dataset, tokenizer=tokenizer, out_dir=out_dir, input=input, text_field=text_field,
                 val_frac=val_frac, split_seed=split_seed, shard_size=shard_size, max_tokens=max_tokens,
