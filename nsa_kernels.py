@@ -527,7 +527,7 @@ def range_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: int,
     B, T, HQ, _ = q.shape
     geo, lo, hi, _, _ = _ranges(kind, B, T, k.shape[1], a, b, cu_seqlens, cu_seqlens_cmp, q.device)
     o, lse = _range_fwd(_pack(q), _pack(k), _pack(v), geo, lo, hi, scale)
-    return o.view(B, T, HQ, -1), lse.view(B, T, HQ)
+    return o.view(B, T, HQ, v.shape[3]), lse.view(B, T, HQ)
 
 
 @range_attn_fwd.register_fake
@@ -821,6 +821,8 @@ def decode_op(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: 
     G, dev, f32, num_blocks = HQ // H, q.device, torch.float32, score.shape[-1]
     BG, BD, BDV = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D)), \
         max(16, triton.next_power_of_2(DV))
+    if B == 0:
+        return q.new_empty(0, HQ, DV, dtype=f32)
     cfg = DECODE_CONFIG
     BC, WN, BJ, SB = cfg["cmp_keys"], cfg["window_keys"], cfg["score_blocks"], cfg["attend_blocks"]
     nsplit = min(triton.cdiv(TC, BC), triton.cdiv(cfg["programs"], B * H))
