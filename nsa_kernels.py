@@ -166,38 +166,28 @@ def attention_op(name, fwd, bwd):
 # KIND 1 = window (A = w; keys are the raw tokens).
 
 @triton.jit
-def _row_range(t, m, lo, hi, KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB):
-    """[lo, hi): the keys query token t reads (empty where m is false)."""
+def _range(x, m, lo, hi, KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB, FROM_KEY: tl.constexpr):
+    """[lo, hi) for each x (empty where m is false): the keys query token x reads, or with FROM_KEY the query tokens
+    that read key x (the same relation, seen from the key side)."""
     if VARLEN:
-        b_lo = tl.load(lo + t, mask=m, other=INT_MAX)
-        b_hi = tl.load(hi + t, mask=m, other=0)
+        b_lo = tl.load(lo + x, mask=m, other=INT_MAX)
+        b_hi = tl.load(hi + x, mask=m, other=0)
     else:
-        s, p = t // SEQ_T, t % SEQ_T
-        if KIND == 0:
-            b_lo = s * SEQ_TK
-            b_hi = b_lo + tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), SEQ_TK)
-        else:
-            b_lo = tl.maximum(s * SEQ_T, t - A + 1)
-            b_hi = t + 1
-        b_lo = tl.where(m, b_lo, INT_MAX)
-        b_hi = tl.where(m, b_hi, 0)
-    return b_lo, b_hi
-
-
-@triton.jit
-def _key_range(c, m, qlo, qhi, KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB):
-    """[qlo, qhi): the query tokens that read key c (the same relation as _row_range, from the key side)."""
-    if VARLEN:
-        b_lo = tl.load(qlo + c, mask=m, other=INT_MAX)
-        b_hi = tl.load(qhi + c, mask=m, other=0)
-    else:
-        if KIND == 0:
-            s = c // SEQ_TK
-            b_lo = s * SEQ_T + (c % SEQ_TK) * BB + A - 1
+        if not FROM_KEY:                                  # query token x at position p of row s
+            s, p = x // SEQ_T, x % SEQ_T
+            if KIND == 0:
+                b_lo = s * SEQ_TK
+                b_hi = b_lo + tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), SEQ_TK)
+            else:
+                b_lo = tl.maximum(s * SEQ_T, x - A + 1)
+                b_hi = x + 1
+        elif KIND == 0:                                   # compressed key x of row s
+            s = x // SEQ_TK
+            b_lo = s * SEQ_T + (x % SEQ_TK) * BB + A - 1
             b_hi = (s + 1) * SEQ_T
-        else:
-            b_lo = c
-            b_hi = tl.minimum((c // SEQ_T + 1) * SEQ_T, c + A)
+        else:                                             # raw key x
+            b_lo = x
+            b_hi = tl.minimum((x // SEQ_T + 1) * SEQ_T, x + A)
         b_lo = tl.where(m, b_lo, INT_MAX)
         b_hi = tl.where(m, b_hi, 0)
     return b_lo, b_hi
@@ -244,7 +234,7 @@ def _range_fwd_kernel(q, k, v, o, lse, lo, hi, scale_log2, NT,
     M: tl.constexpr = BT * BG
     t_r = i_t * BT + tl.arange(0, M) // BG                                                # [M] token of each row
     m_r, t_off, hq_r = tile_rows(t_r, t_r < NT, i_h, H, G, BG, BT)
-    b_lo, b_hi = _row_range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB)         # [M] key ranges
+    b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)   # [M] key ranges
     b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                                          # [M, BD]
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -292,7 +282,7 @@ def _range_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, lo, hi, scale_log2, sca
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     t_r = i_t * BT + tl.arange(0, BT * BG) // BG
     m_r, t_off, hq_r = tile_rows(t_r, t_r < NT, i_h, H, G, BG, BT)
-    b_lo, b_hi = _row_range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB)
+    b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
     b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                                          # [M, BD]
     b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                                      # [M, BDV]
     b_o = load_rows(o, t_off + hq_r, m_r, DV, BDV)
@@ -348,7 +338,7 @@ def _range_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, qlo, qhi, scale_log2,
     i_k, i_q, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c = i_k * BN + tl.arange(0, BN)                                                       # [BN] key ids
     m_k = c < NK
-    b_qlo, b_qhi = _key_range(c, m_k, qlo, qhi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB)     # [BN] query ranges
+    b_qlo, b_qhi = _range(c, m_k, qlo, qhi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=True)  # [BN] query ranges
     k_off = c.to(tl.int64) * H + i_h
     b_k = load_rows(k, k_off, m_k, D, BD)                                                 # [BN, BD]
     b_v = load_rows(v, k_off, m_k, DV, BDV)                                               # [BN, BDV]
