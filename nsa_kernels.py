@@ -1,7 +1,6 @@
-"""Triton kernels for the compressed branch, block selection, the sliding window and the decode step (the selection
-kernel is in sel_kernel.py). nsa_attention.py's backend="triton" ("auto" on CUDA) calls the public functions at the
-bottom; test_nsa_kernels.py and test_decode.py check them against its reference. Ops: nsa::range_attn_*, select, decode.
-"""
+"""Triton kernels for the compressed branch, block selection, the sliding window and the decode step, and the pieces
+that sel_kernel.py's selection kernels share with them. nsa_attention.py's backend="triton" ("auto" on CUDA) calls the
+public functions at the bottom; test_nsa_kernels.py and test_decode.py check them against its reference."""
 # Compressed and window attention are one kernel family ("range attention"): query row t reads the keys [lo(t), hi(t))
 # of a packed key array; key c is read by the queries [qlo(c), qhi(c)) (the same relation, seen from the key side).
 # - compressed: keys are the Tc compressed tokens; lo = first compressed key of t's sequence, hi = lo + visible blocks.
@@ -16,6 +15,10 @@ bottom; test_nsa_kernels.py and test_decode.py check them against its reference.
 # with the overlap weights (Eq. 9; a carry holds the part of the last compressed blocks that spills into the next
 # chunk), packs (score bits, -j) into one int64 and merges it into a running sorted top-NP list (bitonic merge: the
 # top-NP of two sorted lists is max(a_desc, b_asc)). Only the (B, T, H, n) int32 indices are written.
+#
+# Decode: one query token per row over nsa_attention.nsa_cache in four launches (see "decode kernels" below).
+# The file reads: shared pieces -> range attention kernels -> selection kernel -> decode kernels -> host launchers ->
+# torch.library ops -> public functions. Ops: nsa::range_attn_fwd / _bwd, nsa::select, nsa::decode.
 import math
 from typing import Optional
 
@@ -23,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-# launch parameters: M = query rows (tokens x padded group) per program, BN = keys per step; picked on one H100 with
-# `python bench.py --mode=layer --layer_sweep=True` (T = 65536, HQ = 64, H = 4, D = 128, bf16), see layer_readme
+# launch parameters: M = query rows (tokens x padded group) per program, BN = keys per step; picked on one H100 by
+# bench.py's layer-mode sweep (T = 65536, HQ = 64, H = 4, D = 128, bf16)
 CONFIG = {
     "fwd": dict(M=128, BN=64, num_warps=4, num_stages=2),
     "dq": dict(M=128, BN=64, num_warps=8, num_stages=2),
@@ -32,7 +35,129 @@ CONFIG = {
     "select": dict(M=256, num_warps=8, num_stages=2),
 }
 DKV_CHUNK = 512  # compressed dk/dv: fewest tokens per query chunk (the grid aims at >= 2048 programs)
+# launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
+# keys per tile, window_keys = ring slots per window program, score_blocks = selection blocks per score program,
+# attend_blocks = selected blocks per attend program (one gathered tile), *_warps / cmp_stages = Triton options (the
+# combine kernel loads all partials of a head at once and takes one warp per 4096 of them). Picked by a sweep of one
+# decode step on one H100 (S = 64k and 128k, B = 8, HQ = 64, H = 4, D = 128, bf16).
+DECODE_CONFIG = dict(programs=512, cmp_keys=64, cmp_warps=4, cmp_stages=3, window_keys=64, score_blocks=32,
+                     score_warps=4, attend_blocks=2, attend_warps=8)
 INT_MAX = tl.constexpr(2 ** 31 - 1)  # "no key" sentinel and the low word of the packed selection keys
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# shared pieces, used by the kernels of this file and of sel_kernel.py: the rows of a [BT*BG, D] query tile, row
+# loads and stores, the online-softmax step, and on the host the head sizes, token positions, packing
+# and the registration of an attention op with its backward
+
+@triton.jit
+def tile_rows(t_r, m_t, i_h, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr):
+    """The rows of a [BT*BG, D] query tile: token major (t_r [BT*BG]: the token of each row, each repeated BG times;
+    m_t: the real ones), then the G query heads of kv head i_h padded to BG. Returns the row mask, the token offset
+    token * HQ (int64: T * HQ * D may pass 2^31) and the query head of each row: row t_off + hq_r of a (tokens, HQ,
+    ...) array."""
+    g_r = tl.arange(0, BT * BG) % BG                                                      # [M] head in the group
+    return m_t & (g_r < G), t_r.to(tl.int64) * (H * G), i_h * G + g_r
+
+
+@triton.jit
+def load_rows(ptr, rows, m, D: tl.constexpr, BD: tl.constexpr):
+    """[R, BD] tile of rows `rows` (R,) of a row-major (..., D) array; 0 where m is false or past D."""
+    o_d = tl.arange(0, BD)
+    return tl.load(ptr + rows.to(tl.int64)[:, None] * D + o_d[None, :], mask=m[:, None] & (o_d < D)[None, :],
+                   other=0.)
+
+
+@triton.jit
+def store_rows(ptr, rows, m, x, D: tl.constexpr, BD: tl.constexpr):
+    """Stores the [R, BD] tile x (converted to ptr's dtype) into rows `rows` (R,) of a row-major (..., D) array."""
+    o_d = tl.arange(0, BD)
+    tl.store(ptr + rows.to(tl.int64)[:, None] * D + o_d[None, :], x.to(ptr.dtype.element_ty),
+             mask=m[:, None] & (o_d < D)[None, :])
+
+
+@triton.jit
+def softmax_rescale(b_s, m_i):
+    """The online softmax (base 2) meets one more key tile: b_s [M, BN] scaled scores, -inf where masked; m_i [M] the
+    running max. Returns the new max, alpha [M] (the factor of the old sum and accumulator) and p [M, BN]. A row with
+    no key yet keeps max -inf and p = 0."""
+    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0., m_new)
+    alpha = tl.exp2(m_i - m_use)
+    return m_new, alpha, tl.exp2(b_s - m_use[:, None])
+
+
+@triton.jit
+def softmax_step(b_s, b_v, m_i, l_i, acc):
+    """One online-softmax step over a key tile: scores b_s [M, BN] (-inf where masked), values b_v [BN, BDV]; the
+    running max m_i, sum l_i [M] and fp32 accumulator acc [M, BDV] are rescaled and extended."""
+    m_new, alpha, b_p = softmax_rescale(b_s, m_i)                                         # b_p [M, BN]
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)                           # [M, BDV]
+    return m_new, l_i, acc
+
+
+@triton.jit
+def softmax_finish(m_i, l_i, acc):
+    """o = acc / l (0 for a row that read no key) and the base-2 lse (-inf there)."""
+    l_safe = tl.where(l_i == 0., 1., l_i)
+    return acc / l_safe[:, None], tl.where(l_i == 0., float("-inf"), m_i + tl.log2(l_safe))
+
+
+def head_sizes(HQ, H, D, DV):
+    """The kernels' head constexprs: G = HQ / H query heads per kv head; BG, BD, BDV = G, D, Dv padded to powers of 2
+    (BD, BDV >= 16 for tl.dot)."""
+    G = HQ // H
+    return dict(H=H, G=G, BG=triton.next_power_of_2(G), D=D, DV=DV, BD=max(16, triton.next_power_of_2(D)),
+                BDV=max(16, triton.next_power_of_2(DV)))
+
+
+def sequences(B, T, cu_seqlens, device):
+    """Packed token layout: cu (N+1,) int64 offsets, seq (B*T,) the sequence of each token and pos (B*T,) its position
+    inside it. Without cu_seqlens the B rows are B sequences of length T. No host sync."""
+    t = torch.arange(B * T, device=device)
+    if cu_seqlens is None:
+        return torch.arange(B + 1, device=device) * T, t // T, t % T
+    cu = cu_seqlens.long()
+    seq = torch.searchsorted(cu[1:], t, right=True)
+    return cu, seq, t - cu[seq]
+
+
+def pack(x):
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()   # (B, T, ...) -> (B*T, ...)
+
+
+def attention_op(name, fwd, bwd):
+    """Registers fwd(q, k, v, *args) -> (o (B, T, HQ, Dv), lse (B, T, HQ) fp32) as the op nsa::{name}_fwd and
+    bwd(do, q, k, v, o, lse, *args) -> (dq, dk, dv) as nsa::{name}_bwd (schemas from their annotations): opaque to
+    torch.compile (fakes give the shapes), autograd from one to the other (lse has no gradient). Returns both ops."""
+    fwd_op = torch.library.custom_op(f"nsa::{name}_fwd", fwd, mutates_args=())
+    bwd_op = torch.library.custom_op(f"nsa::{name}_bwd", bwd, mutates_args=())
+
+    @fwd_op.register_fake
+    def _(q, k, v, *args):
+        B, T, HQ, _ = q.shape
+        return q.new_empty(B, T, HQ, v.shape[3]), q.new_empty(B, T, HQ, dtype=torch.float32)
+
+    @bwd_op.register_fake
+    def _(do, q, k, v, *args):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, *args = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.is_tensor = [a is None or isinstance(a, torch.Tensor) for a in args]   # Optional[Tensor] may be None
+        ctx.save_for_backward(q, k, v, *output, *[a for a, t in zip(args, ctx.is_tensor) if t])
+        ctx.consts = [a for a, t in zip(args, ctx.is_tensor) if not t]
+
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, *tensors = ctx.saved_tensors
+        tensors, consts = iter(tensors), iter(ctx.consts)
+        args = [next(tensors) if t else next(consts) for t in ctx.is_tensor]
+        return *bwd_op(do.contiguous(), q, k, v, o, lse, *args), *[None] * len(args)
+
+    fwd_op.register_autograd(backward, setup_context=setup_context)
+    return fwd_op, bwd_op
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -41,38 +166,28 @@ INT_MAX = tl.constexpr(2 ** 31 - 1)  # "no key" sentinel and the low word of the
 # KIND 1 = window (A = w; keys are the raw tokens).
 
 @triton.jit
-def _row_range(t, m, lo, hi, KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB):
-    """[lo, hi): the keys query token t reads (empty where m is false)."""
+def _range(x, m, lo, hi, KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB, FROM_KEY: tl.constexpr):
+    """[lo, hi) for each x (empty where m is false): the keys query token x reads, or with FROM_KEY the query tokens
+    that read key x (the same relation, seen from the key side)."""
     if VARLEN:
-        b_lo = tl.load(lo + t, mask=m, other=INT_MAX)
-        b_hi = tl.load(hi + t, mask=m, other=0)
+        b_lo = tl.load(lo + x, mask=m, other=INT_MAX)
+        b_hi = tl.load(hi + x, mask=m, other=0)
     else:
-        s, p = t // SEQ_T, t % SEQ_T
-        if KIND == 0:
-            b_lo = s * SEQ_TK
-            b_hi = b_lo + tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), SEQ_TK)
-        else:
-            b_lo = tl.maximum(s * SEQ_T, t - A + 1)
-            b_hi = t + 1
-        b_lo = tl.where(m, b_lo, INT_MAX)
-        b_hi = tl.where(m, b_hi, 0)
-    return b_lo, b_hi
-
-
-@triton.jit
-def _key_range(c, m, qlo, qhi, KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB):
-    """[qlo, qhi): the query tokens that read key c (the same relation as _row_range, from the key side)."""
-    if VARLEN:
-        b_lo = tl.load(qlo + c, mask=m, other=INT_MAX)
-        b_hi = tl.load(qhi + c, mask=m, other=0)
-    else:
-        if KIND == 0:
-            s = c // SEQ_TK
-            b_lo = s * SEQ_T + (c % SEQ_TK) * BB + A - 1
+        if not FROM_KEY:                                  # query token x at position p of row s
+            s, p = x // SEQ_T, x % SEQ_T
+            if KIND == 0:
+                b_lo = s * SEQ_TK
+                b_hi = b_lo + tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), SEQ_TK)
+            else:
+                b_lo = tl.maximum(s * SEQ_T, x - A + 1)
+                b_hi = x + 1
+        elif KIND == 0:                                   # compressed key x of row s
+            s = x // SEQ_TK
+            b_lo = s * SEQ_T + (x % SEQ_TK) * BB + A - 1
             b_hi = (s + 1) * SEQ_T
-        else:
-            b_lo = c
-            b_hi = tl.minimum((c // SEQ_T + 1) * SEQ_T, c + A)
+        else:                                             # raw key x
+            b_lo = x
+            b_hi = tl.minimum((x // SEQ_T + 1) * SEQ_T, x + A)
         b_lo = tl.where(m, b_lo, INT_MAX)
         b_hi = tl.where(m, b_hi, 0)
     return b_lo, b_hi
@@ -97,23 +212,16 @@ def _split(lo, hi, valid, BN: tl.constexpr):
 def _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, k_from, k_to, k_end, scale_log2, i_h,
               H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
               BN: tl.constexpr, MASK: tl.constexpr):
-    o_d, o_dv, o_n = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BN)
+    o_n = tl.arange(0, BN)
     for k0 in range(k_from, k_to, BN):
         c = k0 + o_n                                                                      # [BN] key ids
-        m_k = c < k_end
         k_off = c.to(tl.int64) * H + i_h
-        b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
-        b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
+        b_k = load_rows(k, k_off, c < k_end, D, BD)                                       # [BN, BD]
+        b_v = load_rows(v, k_off, c < k_end, DV, BDV)                                     # [BN, BDV]
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                                     # [M, BN]
         if MASK:
             b_s = tl.where((c[None, :] >= b_lo[:, None]) & (c[None, :] < b_hi[:, None]), b_s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(b_s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0., m_new)                               # rows with no key yet
-        alpha = tl.exp2(m_i - m_use)
-        b_p = tl.exp2(b_s - m_use[:, None])                                               # [M, BN]
-        l_i = l_i * alpha + tl.sum(b_p, 1)
-        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)                       # [M, BDV]
-        m_i = m_new
+        m_i, l_i, acc = softmax_step(b_s, b_v, m_i, l_i, acc)
     return m_i, l_i, acc
 
 
@@ -123,34 +231,24 @@ def _range_fwd_kernel(q, k, v, o, lse, lo, hi, scale_log2, NT,
                       H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
                       D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    HQ: tl.constexpr = H * G
     M: tl.constexpr = BT * BG
-    o_r = tl.arange(0, M)
-    t_r = i_t * BT + o_r // BG                            # [M] token of each row
-    g_r = o_r % BG                                        # [M] head of each row inside the group
-    m_r = (t_r < NT) & (g_r < G)
-    t64 = t_r.to(tl.int64)
-    hq_r = i_h * G + g_r
-    o_d, o_dv = tl.arange(0, BD), tl.arange(0, BDV)
-    b_lo, b_hi = _row_range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB)         # [M] key ranges
-    b_q = tl.load(q + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :],
-                  mask=m_r[:, None] & (o_d < D)[None, :], other=0.)                        # [M, BD]
+    t_r = i_t * BT + tl.arange(0, M) // BG                                                # [M] token of each row
+    m_r, t_off, hq_r = tile_rows(t_r, t_r < NT, i_h, H, G, BG, BT)
+    b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)   # [M] key ranges
+    b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                                          # [M, BD]
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BDV], tl.float32)
     k0, ka, kb, k_end = _split(b_lo, b_hi, m_r, BN)
     m_i, l_i, acc = _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, k0, ka, k_end, scale_log2, i_h,
-                              H, D, DV, BD, BDV, BN, True)
+                              H, D, DV, BD, BDV, BN, MASK=True)
     m_i, l_i, acc = _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, ka, kb, k_end, scale_log2, i_h,
-                              H, D, DV, BD, BDV, BN, False)
+                              H, D, DV, BD, BDV, BN, MASK=False)
     m_i, l_i, acc = _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, kb, k_end, k_end, scale_log2, i_h,
-                              H, D, DV, BD, BDV, BN, True)
-    l_safe = tl.where(l_i == 0., 1., l_i)
-    b_o = acc / l_safe[:, None]                                                           # no key: o = 0
-    b_lse = tl.where(l_i == 0., float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)   # natural log
-    tl.store(o + (t64 * HQ + hq_r)[:, None] * DV + o_dv[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_r[:, None] & (o_dv < DV)[None, :])
-    tl.store(lse + t64 * HQ + hq_r, b_lse, mask=m_r)
+                              H, D, DV, BD, BDV, BN, MASK=True)
+    b_o, b_lse = softmax_finish(m_i, l_i, acc)
+    store_rows(o, t_off + hq_r, m_r, b_o, DV, BDV)
+    tl.store(lse + t_off + hq_r, b_lse * 0.6931471805599453, mask=m_r)                    # natural log
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -160,13 +258,12 @@ def _range_fwd_kernel(q, k, v, o, lse, lo, hi, scale_log2, NT,
 def _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, k_from, k_to, k_end, scale_log2, i_h,
              H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
              BN: tl.constexpr, MASK: tl.constexpr):
-    o_d, o_dv, o_n = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BN)
+    o_n = tl.arange(0, BN)
     for k0 in range(k_from, k_to, BN):
         c = k0 + o_n
-        m_k = c < k_end
         k_off = c.to(tl.int64) * H + i_h
-        b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
-        b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
+        b_k = load_rows(k, k_off, c < k_end, D, BD)
+        b_v = load_rows(v, k_off, c < k_end, DV, BDV)
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                                     # [M, BN]
         b_p = tl.exp2(b_s - b_lse[:, None])
         if MASK:
@@ -183,55 +280,39 @@ def _range_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, lo, hi, scale_log2, sca
                          H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
                          D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    HQ: tl.constexpr = H * G
-    M: tl.constexpr = BT * BG
-    o_r = tl.arange(0, M)
-    t_r = i_t * BT + o_r // BG
-    g_r = o_r % BG
-    m_r = (t_r < NT) & (g_r < G)
-    t64 = t_r.to(tl.int64)
-    hq_r = i_h * G + g_r
-    o_d, o_dv = tl.arange(0, BD), tl.arange(0, BDV)
-    b_lo, b_hi = _row_range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB)
-    m_qd = m_r[:, None] & (o_d < D)[None, :]
-    m_qv = m_r[:, None] & (o_dv < DV)[None, :]
-    b_q = tl.load(q + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :], mask=m_qd, other=0.)        # [M, BD]
-    b_do = tl.load(do + (t64 * HQ + hq_r)[:, None] * DV + o_dv[None, :], mask=m_qv, other=0.)    # [M, BDV]
-    b_o = tl.load(o + (t64 * HQ + hq_r)[:, None] * DV + o_dv[None, :], mask=m_qv, other=0.)
-    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)                                # [M]
-    tl.store(delta + t64 * HQ + hq_r, b_delta, mask=m_r)
-    b_lse = tl.load(lse + t64 * HQ + hq_r, mask=m_r, other=0.) * 1.4426950408889634              # base 2
+    t_r = i_t * BT + tl.arange(0, BT * BG) // BG
+    m_r, t_off, hq_r = tile_rows(t_r, t_r < NT, i_h, H, G, BG, BT)
+    b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
+    b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                                          # [M, BD]
+    b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                                      # [M, BDV]
+    b_o = load_rows(o, t_off + hq_r, m_r, DV, BDV)
+    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)                        # [M]
+    tl.store(delta + t_off + hq_r, b_delta, mask=m_r)
+    b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.) * 1.4426950408889634          # base 2
     b_lse = tl.where(b_lse == float("-inf"), 0., b_lse)   # a row with no key: masked below, keep exp2 finite
-    b_dq = tl.zeros([M, BD], tl.float32)
+    b_dq = tl.zeros([BT * BG, BD], tl.float32)
     k0, ka, kb, k_end = _split(b_lo, b_hi, m_r, BN)
     b_dq = _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, k0, ka, k_end, scale_log2, i_h,
-                    H, D, DV, BD, BDV, BN, True)
+                    H, D, DV, BD, BDV, BN, MASK=True)
     b_dq = _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, ka, kb, k_end, scale_log2, i_h,
-                    H, D, DV, BD, BDV, BN, False)
+                    H, D, DV, BD, BDV, BN, MASK=False)
     b_dq = _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, kb, k_end, k_end, scale_log2, i_h,
-                    H, D, DV, BD, BDV, BN, True)
-    tl.store(dq + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_qd)
+                    H, D, DV, BD, BDV, BN, MASK=True)
+    store_rows(dq, t_off + hq_r, m_r, b_dq * scale, D, BD)
 
 
 @triton.jit
 def _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, t_from, t_to, t_end, scale_log2, i_h,
               H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
               DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, MASK: tl.constexpr):
-    HQ: tl.constexpr = H * G
-    M: tl.constexpr = BT * BG
-    o_d, o_dv, o_r = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, M)
-    g_r = o_r % BG
-    hq_r = i_h * G + g_r
+    o_t = tl.arange(0, BT * BG) // BG
     for t0 in range(t_from, t_to, BT):
-        t_r = t0 + o_r // BG                                                              # [M] query tokens
-        m_r = (t_r < t_end) & (g_r < G)
-        t64 = t_r.to(tl.int64)
-        b_q = tl.load(q + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :],
-                      mask=m_r[:, None] & (o_d < D)[None, :], other=0.)                    # [M, BD]
-        b_do = tl.load(do + (t64 * HQ + hq_r)[:, None] * DV + o_dv[None, :],
-                       mask=m_r[:, None] & (o_dv < DV)[None, :], other=0.)                 # [M, BDV]
-        b_lse = tl.load(lse + t64 * HQ + hq_r, mask=m_r, other=0.) * 1.4426950408889634
-        b_delta = tl.load(delta + t64 * HQ + hq_r, mask=m_r, other=0.)
+        t_r = t0 + o_t                                                                    # [M] query tokens
+        m_r, t_off, hq_r = tile_rows(t_r, t_r < t_end, i_h, H, G, BG, BT)
+        b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                                      # [M, BD]
+        b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                                  # [M, BDV]
+        b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.) * 1.4426950408889634
+        b_delta = tl.load(delta + t_off + hq_r, mask=m_r, other=0.)
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                                     # [M, BN]
         if MASK:
             m_s = m_r[:, None] & (t_r[:, None] >= b_qlo[None, :]) & (t_r[:, None] < b_qhi[None, :])
@@ -255,29 +336,26 @@ def _range_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, qlo, qhi, scale_log2,
     """One program: BN keys x the queries of token chunk i_q ([i_q*QCH, (i_q+1)*QCH)); with several chunks dk/dv
     are fp32 partials (NQC, NK, H, D) that the launcher sums in chunk order."""
     i_k, i_q, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_d, o_dv, o_n = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BN)
-    c = i_k * BN + o_n                                                                    # [BN] key ids
+    c = i_k * BN + tl.arange(0, BN)                                                       # [BN] key ids
     m_k = c < NK
-    b_qlo, b_qhi = _key_range(c, m_k, qlo, qhi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB)     # [BN] query ranges
+    b_qlo, b_qhi = _range(c, m_k, qlo, qhi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=True)  # [BN] query ranges
     k_off = c.to(tl.int64) * H + i_h
-    b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
-    b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
+    b_k = load_rows(k, k_off, m_k, D, BD)                                                 # [BN, BD]
+    b_v = load_rows(v, k_off, m_k, DV, BDV)                                               # [BN, BDV]
     b_dk = tl.zeros([BN, BD], tl.float32)
     b_dv = tl.zeros([BN, BDV], tl.float32)
     c_lo = tl.maximum(b_qlo, i_q * QCH)                   # this program's token chunk
     c_hi = tl.minimum(b_qhi, (i_q + 1) * QCH)
     t0, ta, tb, t_end = _split(c_lo, c_hi, m_k, BT)
     b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, t0, ta, t_end, scale_log2, i_h,
-                           H, G, BG, BT, D, DV, BD, BDV, True)
+                           H, G, BG, BT, D, DV, BD, BDV, MASK=True)
     b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, ta, tb, t_end, scale_log2, i_h,
-                           H, G, BG, BT, D, DV, BD, BDV, False)
+                           H, G, BG, BT, D, DV, BD, BDV, MASK=False)
     b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, tb, t_end, t_end, scale_log2,
-                           i_h, H, G, BG, BT, D, DV, BD, BDV, True)
+                           i_h, H, G, BG, BT, D, DV, BD, BDV, MASK=True)
     p_off = i_q.to(tl.int64) * NK * H + k_off
-    tl.store(dk + p_off[:, None] * D + o_d[None, :], (b_dk * scale).to(dk.dtype.element_ty),
-             mask=m_k[:, None] & (o_d < D)[None, :])
-    tl.store(dv + p_off[:, None] * DV + o_dv[None, :], b_dv.to(dv.dtype.element_ty),
-             mask=m_k[:, None] & (o_dv < DV)[None, :])
+    store_rows(dk, p_off, m_k, b_dk * scale, D, BD)
+    store_rows(dv, p_off, m_k, b_dv, DV, BDV)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -317,16 +395,11 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
                    NS: tl.constexpr, NP: tl.constexpr, BKC: tl.constexpr, N_INIT: tl.constexpr,
                    N_LOCAL: tl.constexpr, LOG_NP: tl.constexpr, N_DIMS: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    HQ: tl.constexpr = H * G
     M: tl.constexpr = BT * BG
     CPS: tl.constexpr = LS // DS                          # compressed blocks starting in one selection block
-    o_r, o_b, o_c, o_j = tl.arange(0, M), tl.arange(0, BT), tl.arange(0, BKC), tl.arange(0, NP)
-    o_d = tl.arange(0, BD)
-    t_r = i_t * BT + o_r // BG                            # [M] rows: token major, group heads minor
-    g_r = o_r % BG
-    m_r = (t_r < NT) & (g_r < G)
-    t64 = t_r.to(tl.int64)
-    hq_r = i_h * G + g_r
+    o_b, o_c, o_j = tl.arange(0, BT), tl.arange(0, BKC), tl.arange(0, NP)
+    t_r = i_t * BT + tl.arange(0, M) // BG                # [M] rows: token major, group heads minor
+    m_r, t_off, hq_r = tile_rows(t_r, t_r < NT, i_h, H, G, BG, BT)
     t_b = i_t * BT + o_b                                  # [BT] tokens of the tile
     m_b = t_b < NT
     if VARLEN:                                            # packed sequences: position and sequence id arrays
@@ -341,9 +414,8 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
         pos_b, seq_b = t_b % SEQ_T, tl.where(m_b, t_b // SEQ_T, -1)
         s_first = (i_t * BT) // SEQ_T
         s_last = tl.minimum(i_t * BT + BT - 1, NT - 1) // SEQ_T
-    b_q = tl.load(q + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :],
-                  mask=m_r[:, None] & (o_d < D)[None, :], other=0.)                        # [M, BD]
-    b_lse = tl.load(lse + t64 * HQ + hq_r, mask=m_r, other=0.) * 1.4426950408889634       # [M] base 2
+    b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                                          # [M, BD]
+    b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.) * 1.4426950408889634          # [M] base 2
     tb = pos_b // LS                                                                      # [BT] own block
     top = tl.full([BT, NP], -1, tl.int64)                 # running top-NP keys, sorted descending
     for s in range(s_first, s_last + 1):                  # a tile may straddle packed sequences
@@ -360,7 +432,7 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
             ic = j0 * CPS + o_c                                                           # [BKC] relative ids
             m_c = (o_c < NP * CPS) & (ic < n_c)
             k_off = (c_bos + ic).to(tl.int64) * H + i_h
-            b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_c[:, None] & (o_d < D)[None, :], other=0.)
+            b_k = load_rows(k, k_off, m_c, D, BD)                                         # [BKC, BD]
             b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                                 # [M, BKC]
             vis = m_rs[:, None] & m_c[None, :] & (ic[None, :] * DS + L - 1 <= pos_r[:, None])
             b_p = tl.where(vis, tl.exp2(b_s - b_lse[:, None]), 0.)                        # Eq. 8
@@ -383,8 +455,8 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
             b_sc = tl.where(forced, float("inf"), b_sc)
             # scores are >= 0, so their bits order like the floats; the low word makes ties go to the lower j
             key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-jj + INT_MAX).to(tl.int64)[None, :]
-            key = _sort_rows(tl.where(cand, key, -1), 0, LOG_NP, N_DIMS)                  # ascending
-            top = _sort_rows(tl.maximum(top, key), 1, LOG_NP, N_DIMS, 1)                  # bitonic merge
+            key = _sort_rows(tl.where(cand, key, -1), DESC=0, LOG_N=LOG_NP, N_DIMS=N_DIMS)     # ascending
+            top = _sort_rows(tl.maximum(top, key), DESC=1, LOG_N=LOG_NP, N_DIMS=N_DIMS, MERGE_ONLY=1)
     o_s = tl.arange(0, NP)
     valid = (o_s[None, :] < NS) & (top >= 0)
     j = tl.where(valid, (-(top & INT_MAX) + INT_MAX).to(tl.int32), INT_MAX)
@@ -395,239 +467,26 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# launchers (no host syncs: every size comes from shapes, so torch.compile and CUDA graphs can capture them)
-
-def _seqs(B, T, cu_seqlens, device):
-    """Packed token layout: cu (N+1,) int64 offsets, seq (B*T,) sequence id and pos (B*T,) position inside it.
-    Without cu_seqlens the B rows are B sequences of length T."""
-    t = torch.arange(B * T, device=device)
-    if cu_seqlens is None:
-        return torch.arange(B + 1, device=device) * T, t // T, t % T
-    cu = cu_seqlens.long()
-    seq = torch.searchsorted(cu[1:], t, right=True)
-    return cu, seq, t - cu[seq]
-
-
-def _cmp_cu(B, Tc, cu_seqlens_cmp, device):
-    return torch.arange(B + 1, device=device) * Tc if cu_seqlens_cmp is None else cu_seqlens_cmp.long()
-
-
-def _i32(*xs):
-    return [x.to(torch.int32).contiguous() for x in xs]
-
-
-def _cmp_ranges(B, T, Tc, l, d, cu_seqlens, cu_seqlens_cmp, device):
-    """Compressed branch: query t reads compressed keys [lo, hi) (its sequence's first blocks, i*d + l - 1 <= pos);
-    compressed key c is read by queries [qlo, qhi). Keys past cu_seqlens_cmp[-1] (padding) are read by none."""
-    cu, seq, pos = _seqs(B, T, cu_seqlens, device)
-    cu_c = _cmp_cu(B, Tc, cu_seqlens_cmp, device)
-    lo = cu_c[seq]
-    nv = torch.where(pos + 1 < l, 0, torch.div(pos + 1 - l, d, rounding_mode="floor") + 1)
-    hi = torch.minimum(lo + nv, cu_c[seq + 1])
-    c = torch.arange(B * Tc, device=device)
-    cs = torch.searchsorted(cu_c[1:], c, right=True).clamp_max(cu_c.numel() - 2)
-    inside = c < cu_c[-1]
-    qlo = torch.where(inside, cu[cs] + (c - cu_c[cs]) * d + l - 1, 0)
-    qhi = torch.where(inside, cu[cs + 1], 0)
-    return _i32(lo, hi, qlo, qhi)
-
-
-def _win_ranges(B, T, w, cu_seqlens, device):
-    """Window: query t reads keys [max(bos, t - w + 1), t + 1); key u is read by queries [u, min(eos, u + w))."""
-    cu, seq, pos = _seqs(B, T, cu_seqlens, device)
-    t = torch.arange(B * T, device=device)
-    bos, eos = cu[seq], cu[seq + 1]
-    return _i32(torch.maximum(bos, t - w + 1), t + 1, t, torch.minimum(eos, t + w))
-
-
-def _sizes(q, k, v, M):
-    G = q.shape[2] // k.shape[2]
-    BG = triton.next_power_of_2(G)
-    return dict(H=k.shape[2], G=G, BG=BG, BT=max(1, M // BG), D=q.shape[3], DV=v.shape[3],
-                BD=max(16, triton.next_power_of_2(q.shape[3])), BDV=max(16, triton.next_power_of_2(v.shape[3])))
-
-
-def _launch_cfg(name, width):
-    """(M, launch kwargs) for a kernel; heads wider than 128 halve the tiles so they fit in shared memory."""
-    c = dict(CONFIG[name])
-    M = c.pop("M")
-    if width > 128:
-        M = max(16, M // 2)
-        if "BN" in c:
-            c["BN"] = max(16, c["BN"] // 2)
-    return M, c
-
-
-def _range_fwd(q, k, v, geo, lo, hi, scale):
-    """q (NT, HQ, D), k (NK, H, D), v (NK, H, Dv) packed -> o (NT, HQ, Dv), lse (NT, HQ) fp32 natural log."""
-    NT, HQ, _ = q.shape
-    o = torch.empty(NT, HQ, v.shape[2], device=q.device, dtype=q.dtype)
-    lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
-    if NT == 0:
-        return o, lse
-    M, launch = _launch_cfg("fwd", max(q.shape[2], v.shape[2]))
-    c = _sizes(q[None], k[None], v[None], M)
-    _range_fwd_kernel[(triton.cdiv(NT, c["BT"]), c["H"])](q, k, v, o, lse, lo, hi, scale * math.log2(math.e), NT,
-                                                          **geo, **c, **launch)
-    return o, lse
-
-
-def _range_bwd(do, q, k, v, o, lse, geo, lo, hi, qlo, qhi, scale, n_chunks):
-    """n_chunks > 1 splits each key block's queries into token chunks (parallelism when keys are few, as in the
-    compressed branch): fp32 partials summed in a fixed order, so still deterministic."""
-    NT, HQ, _ = q.shape
-    NK = k.shape[0]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
-    sl2 = scale * math.log2(math.e)
-    if NT > 0:
-        M, launch = _launch_cfg("dq", max(q.shape[2], v.shape[2]))
-        c = _sizes(q[None], k[None], v[None], M)
-        _range_bwd_dq_kernel[(triton.cdiv(NT, c["BT"]), c["H"])](q, k, v, o, do, lse, delta, dq, lo, hi, sl2, scale,
-                                                                 NT, **geo, **c, **launch)
-    if NK > 0 and NT > 0:
-        M, launch = _launch_cfg("dkv", max(q.shape[2], v.shape[2]))
-        c = _sizes(q[None], k[None], v[None], M)
-        qch = triton.cdiv(triton.cdiv(NT, n_chunks), c["BT"]) * c["BT"]
-        nqc = triton.cdiv(NT, qch)
-        dk_p, dv_p = (dk, dv) if nqc == 1 else (k.new_empty(nqc, *k.shape, dtype=torch.float32),
-                                                 v.new_empty(nqc, *v.shape, dtype=torch.float32))
-        _range_bwd_dkv_kernel[(triton.cdiv(NK, launch["BN"]), nqc, c["H"])](
-            q, k, v, do, lse, delta, dk_p, dv_p, qlo, qhi, sl2, scale, NK, qch, **geo, **c, **launch)
-        if nqc > 1:
-            dk, dv = dk_p.sum(0).to(k.dtype), dv_p.sum(0).to(v.dtype)
-    elif NK > 0:
-        dk.zero_()
-        dv.zero_()
-    return dq, dk, dv
-
-
-def _ranges(kind, B, T, Tk, a, b, cu_seqlens, cu_seqlens_cmp, device):
-    """(geo kwargs of the kernels, lo, hi, qlo, qhi): index arrays only for var-length input."""
-    geo = dict(KIND=kind, VARLEN=cu_seqlens is not None, SEQ_T=T, SEQ_TK=Tk, A=a, BB=b)
-    if cu_seqlens is None:
-        return (geo, *[torch.empty(1, device=device, dtype=torch.int32)] * 4)
-    if kind == 0:
-        return (geo, *_cmp_ranges(B, T, Tk, a, b, cu_seqlens, cu_seqlens_cmp, device))
-    return (geo, *_win_ranges(B, T, a, cu_seqlens, device))
-
-
-def _pack(x):
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()   # (B, T, ...) -> (B*T, ...)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# torch.library ops: opaque to torch.compile (fake impls give shapes), autograd through the backward op.
-# kind 0 = compressed (a, b = cmp_block, cmp_stride), kind 1 = window (a = window).
-
-@torch.library.custom_op("nsa::range_attn_fwd", mutates_args=())
-def range_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: int, a: int, b: int, scale: float,
-                   cu_seqlens: Optional[torch.Tensor], cu_seqlens_cmp: Optional[torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    B, T, HQ, _ = q.shape
-    geo, lo, hi, _, _ = _ranges(kind, B, T, k.shape[1], a, b, cu_seqlens, cu_seqlens_cmp, q.device)
-    o, lse = _range_fwd(_pack(q), _pack(k), _pack(v), geo, lo, hi, scale)
-    return o.view(B, T, HQ, -1), lse.view(B, T, HQ)
-
-
-@range_attn_fwd.register_fake
-def _(q, k, v, kind, a, b, scale, cu_seqlens, cu_seqlens_cmp):
-    B, T, HQ, _ = q.shape
-    return q.new_empty(B, T, HQ, v.shape[3]), q.new_empty(B, T, HQ, dtype=torch.float32)
-
-
-@torch.library.custom_op("nsa::range_attn_bwd", mutates_args=())
-def range_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, kind: int, a: int, b: int, scale: float, cu_seqlens: Optional[torch.Tensor],
-                   cu_seqlens_cmp: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, T, HQ, _ = q.shape
-    geo, lo, hi, qlo, qhi = _ranges(kind, B, T, k.shape[1], a, b, cu_seqlens, cu_seqlens_cmp, q.device)
-    # compressed keys are few (T / d): split each key block's queries into chunks so the dk/dv grid fills the GPU
-    n_key_programs = triton.cdiv(k.shape[0] * k.shape[1], CONFIG["dkv"]["BN"]) * k.shape[2]
-    n_chunks = 1 if kind == 1 else max(1, min(triton.cdiv(B * T, DKV_CHUNK), triton.cdiv(2048, max(1, n_key_programs))))
-    dq, dk, dv = _range_bwd(_pack(do), _pack(q), _pack(k), _pack(v), _pack(o), _pack(lse), geo, lo, hi, qlo, qhi,
-                            scale, n_chunks)
-    return dq.view_as(q), dk.view_as(k), dv.view_as(v)
-
-
-@range_attn_bwd.register_fake
-def _(do, q, k, v, o, lse, kind, a, b, scale, cu_seqlens, cu_seqlens_cmp):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, kind, a, b, scale, cu_seqlens, cu_seqlens_cmp = inputs
-    o, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, cu_seqlens_cmp)
-    ctx.args = (kind, a, b, scale)
-
-
-def _backward(ctx, do, dlse):
-    q, k, v, o, lse, cu_seqlens, cu_seqlens_cmp = ctx.saved_tensors
-    dq, dk, dv = range_attn_bwd(do.contiguous(), q, k, v, o, lse, *ctx.args, cu_seqlens, cu_seqlens_cmp)
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-range_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-@torch.library.custom_op("nsa::select", mutates_args=())
-def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block: int, cmp_stride: int,
-              sel_block: int, n_select: int, n_init: int, n_local: int, scale: float,
-              cu_seqlens: Optional[torch.Tensor], cu_seqlens_cmp: Optional[torch.Tensor]) -> torch.Tensor:
-    B, T, HQ, D = q.shape
-    Tc, H = k_cmp.shape[1], k_cmp.shape[2]
-    idx = torch.empty(B * T, H, n_select, device=q.device, dtype=torch.int32)
-    if B * T == 0:
-        return idx.view(B, T, H, n_select)
-    if cu_seqlens is None:                                # the kernel computes positions itself
-        seq = pos = cu_c = idx
-    else:
-        _, seq, pos = _seqs(B, T, cu_seqlens, q.device)
-        seq, pos, cu_c = _i32(seq, pos, cu_seqlens_cmp)
-    M, launch = _launch_cfg("select", D)
-    c = _sizes(q, k_cmp, k_cmp, M)
-    NP = max(16, triton.next_power_of_2(n_select))
-    BKC = max(16, triton.next_power_of_2(NP * (sel_block // cmp_stride)))
-    _select_kernel[(triton.cdiv(B * T, c["BT"]), H)](
-        _pack(q), _pack(k_cmp), _pack(lse), idx, pos, seq, cu_c, scale * math.log2(math.e), B * T,
-        cu_seqlens is not None, T, Tc,
-        H=H, G=c["G"], BG=c["BG"], BT=c["BT"], D=D, BD=c["BD"], L=cmp_block, DS=cmp_stride, LS=sel_block,
-        NS=n_select, NP=NP, BKC=BKC, N_INIT=n_init, N_LOCAL=n_local, LOG_NP=int(math.log2(NP)),
-        N_DIMS=int(math.log2(NP * c["BT"])), **launch)
-    return idx.view(B, T, H, n_select)
-
-
-@select_op.register_fake
-def _(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale, cu_seqlens, cu_seqlens_cmp):
-    B, T, _, _ = q.shape
-    return q.new_empty(B, T, k_cmp.shape[2], n_select, dtype=torch.int32)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# decode (issue 7): one query token per row over nsa_attention.nsa_cache, all G heads of a KV group in one [BG, D]
-# Q tile. Four launches, each parallel over its work; the reference is nsa_attention.decode_attention's torch path.
+# decode kernels: one query token per row over nsa_attention.nsa_cache, all G heads of a KV group in one [BG, D] Q
+# tile. Four launches, each parallel over its work; the reference is nsa_attention.decode_attention's torch path.
 # Each group's partial softmaxes (m, l, acc) share one buffer: [compressed splits | window chunks | selected tiles].
 #  1. _dec_cmp_kernel: split-K over the compressed cache (partials, and the raw scores s, base 2, for step 2), plus
 #     programs over chunks of the window ring, which needs no selection and so runs here, off the dependent chain.
 #  2. _dec_score_kernel: per group and chunk of selection blocks: lse from the compressed partials, p = 2^(s - lse)
 #     summed over the heads (Eq. 10) and mapped to selection blocks (Eq. 9); then the chunk's own top-n candidates
 #     (the group's top-n are among the union of its chunks' top-n).
-#  3. _dec_attend_kernel: per group and attend_blocks (2) selected blocks: top-n over the candidates (forced first, then
+#  3. _dec_attend_kernel: per group and attend_blocks selected blocks: top-n over the candidates (forced first, then
 #     by score, ties to the lower block), then one online-softmax step over those blocks' tokens <= pos.
 #  4. _dec_combine_kernel: per query head, one softmax merge per branch of its partials, mixed by the gate.
 
 @triton.jit
 def _dec_step(b_q, b_k, b_v, valid, m_i, l_i, acc, scale_log2, PREC: tl.constexpr):
-    """One online-softmax step of a [BG, D] query tile over a [BN, D] key tile; returns the scores too.
-    PREC: "ieee" for fp32 caches (a decode step is memory-bound, so exact fp32 costs nothing), else "tf32"."""
+    """softmax_step for a [BG, D] query tile over a [BN, D] key tile, with dots in PREC: "ieee" for fp32 caches (a
+    decode step is memory-bound, so exact fp32 costs nothing), else "tf32"; the accumulator is updated before the
+    sum (the other order takes more registers with fp32 caches). Returns the scores too."""
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale_log2
     b_s = tl.where(valid[None, :], b_s, float("-inf"))                    # [BG, BN]
-    m_new = tl.maximum(m_i, tl.max(b_s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0., m_new)
-    alpha = tl.exp2(m_i - m_use)
-    b_p = tl.exp2(b_s - m_use[:, None])
+    m_new, alpha, b_p = softmax_rescale(b_s, m_i)
     acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)     # [BG, BDV]
     return b_s, m_new, l_i * alpha + tl.sum(b_p, 1), acc
 
@@ -635,18 +494,10 @@ def _dec_step(b_q, b_k, b_v, valid, m_i, l_i, acc, scale_log2, PREC: tl.constexp
 @triton.jit
 def _dec_store_partial(m_out, l_out, acc_out, part, m_i, l_i, acc, G: tl.constexpr, BG: tl.constexpr,
                        DV: tl.constexpr, BDV: tl.constexpr):
-    o_g, o_dv = tl.arange(0, BG), tl.arange(0, BDV)
+    o_g = tl.arange(0, BG)
     tl.store(m_out + part * G + o_g, m_i, mask=o_g < G)
     tl.store(l_out + part * G + o_g, l_i, mask=o_g < G)
-    tl.store(acc_out + (part * G + o_g)[:, None] * DV + o_dv[None, :], acc,
-             mask=(o_g < G)[:, None] & (o_dv < DV)[None, :])
-
-
-@triton.jit
-def _dec_load(base, rows, valid, D: tl.constexpr, BD: tl.constexpr):
-    o_d = tl.arange(0, BD)
-    return tl.load(base + rows.to(tl.int64)[:, None] * D + o_d[None, :], mask=valid[:, None] & (o_d < D)[None, :],
-                   other=0.)
+    store_rows(acc_out, part * G + o_g, o_g < G, acc, DV, BDV)
 
 
 @triton.jit
@@ -662,7 +513,7 @@ def _dec_cmp_kernel(q, k, v, k_win, v_win, pos, s_out, m_out, l_out, acc_out, sc
     i_bh, i_s = tl.program_id(0), tl.program_id(1)                         # i_s < NSPLIT: compressed, else window
     p = tl.load(pos + i_bh // H)
     o_g, o_n = tl.arange(0, BG), tl.arange(0, BN)
-    b_q = _dec_load(q + i_bh * G * D, o_g, o_g < G, D, BD)                # [BG, BD]
+    b_q = load_rows(q + i_bh * G * D, o_g, o_g < G, D, BD)                # [BG, BD]
     m_i = tl.full([BG], float("-inf"), tl.float32)
     l_i = tl.zeros([BG], tl.float32)
     acc = tl.zeros([BG, BDV], tl.float32)
@@ -679,8 +530,8 @@ def _dec_cmp_kernel(q, k, v, k_win, v_win, pos, s_out, m_out, l_out, acc_out, sc
         c = c0 + o_n                                                       # [BN] compressed keys / ring slots
         # ring slot c holds a position >= 0 iff c <= p; a compressed key c < seen always has c <= p
         valid = (c < end) & (c <= p)
-        b_k = _dec_load(k_g, c, valid, D, BD)                              # [BN, BD]
-        b_v = _dec_load(v_g, c, valid, DV, BDV)                            # [BN, BDV]
+        b_k = load_rows(k_g, c, valid, D, BD)                              # [BN, BD]
+        b_v = load_rows(v_g, c, valid, DV, BDV)                            # [BN, BDV]
         b_s, m_i, l_i, acc = _dec_step(b_q, b_k, b_v, valid, m_i, l_i, acc, scale_log2, PREC)
         tl.store(s_out + (i_bh * G + o_g).to(tl.int64)[:, None] * TC + c[None, :], b_s,
                  mask=(o_g < G)[:, None] & (c < end)[None, :] & is_cmp)
@@ -742,7 +593,7 @@ def _dec_attend_kernel(q, k_slc, v_slc, pos, cand, idx_out, reads_out, m_out, l_
     j = ((1 << 20) - 1 - (key & ((1 << 20) - 1))).to(tl.int32)                # [BCAND] their block ids
     chosen = o_c < 0
     # top-n, one max at a time: counting larger keys as the score kernel does would compare [BCAND, BCAND] pairs,
-    # measured slower at 512 candidates (H100, 128k)
+    # which measured slower with hundreds of candidates
     for _ in range(NS):
         top = tl.max(key, 0)
         hit = (key == top) & (top >= 0)
@@ -765,9 +616,9 @@ def _dec_attend_kernel(q, k_slc, v_slc, pos, cand, idx_out, reads_out, m_out, l_
         blk = tl.where(o_r // BN == b, tl.max(tl.where(chosen & (rank == SB * i_p + b), j, -1), 0), blk)
     rows = blk * LS + o_r % BN                                                 # [SB*BN] tokens: those <= p
     valid = (o_r % BN < LS) & (rows <= p) & (blk >= 0)
-    b_q = _dec_load(q + i_bh * G * D, o_g, o_g < G, D, BD)                    # [BG, BD]
-    b_k = _dec_load(k_slc + i_bh.to(tl.int64) * S * D, rows, valid, D, BD)    # [SB*BN, BD]
-    b_v = _dec_load(v_slc + i_bh.to(tl.int64) * S * DV, rows, valid, DV, BDV)
+    b_q = load_rows(q + i_bh * G * D, o_g, o_g < G, D, BD)                    # [BG, BD]
+    b_k = load_rows(k_slc + i_bh.to(tl.int64) * S * D, rows, valid, D, BD)    # [SB*BN, BD]
+    b_v = load_rows(v_slc + i_bh.to(tl.int64) * S * DV, rows, valid, DV, BDV)
     m_i = tl.full([BG], float("-inf"), tl.float32)
     l_i = tl.zeros([BG], tl.float32)
     acc = tl.zeros([BG, BDV], tl.float32)
@@ -799,15 +650,167 @@ def _dec_combine_kernel(gate, gate_out, o, m_in, l_in, acc_in, NSPLIT, NWIN, NPA
     tl.store(o + i_hq * DV + o_dv, out, mask=o_dv < DV)
 
 
-# launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
-# keys per tile, window_keys = ring slots per window program, score_blocks = selection blocks per score program,
-# attend_blocks = selected blocks per attend program (one gathered tile), *_warps / cmp_stages = Triton options (the
-# combine kernel loads all partials of a head at once and takes one warp per 4096 of them: 1 at 64k / B=8).
-# Swept on one H100 (2026-11-23, S=64k and 128k, B=8, HQ=64, H=4, D=128, bf16; ~71 us step at 64k): attend_blocks
-# 1 -> 2 saved 4 us, combine warps 4 -> 1 3 us (and fp16 raw scores 1.6 us); programs, cmp_keys, cmp_warps,
-# cmp_stages, score_blocks, score_warps, window_keys moved it by < 1 us at 64k (cmp_stages=4: -2.4 us at 128k).
-DECODE_CONFIG = dict(programs=512, cmp_keys=64, cmp_warps=4, cmp_stages=3, window_keys=64, score_blocks=32,
-                     score_warps=4, attend_blocks=2, attend_warps=8)
+# ----------------------------------------------------------------------------------------------------------------
+# host launchers (no host syncs: every size comes from shapes, so torch.compile and CUDA graphs can capture them)
+
+def _i32(*xs):
+    return [x.to(torch.int32).contiguous() for x in xs]
+
+
+def _cmp_ranges(B, T, Tc, l, d, cu_seqlens, cu_seqlens_cmp, device):
+    """Compressed branch: query t reads compressed keys [lo, hi) (its sequence's first blocks, i*d + l - 1 <= pos);
+    compressed key c is read by queries [qlo, qhi). Keys past cu_seqlens_cmp[-1] (padding) are read by none."""
+    cu, seq, pos = sequences(B, T, cu_seqlens, device)
+    cu_c, seq_c, pos_c = sequences(B, Tc, cu_seqlens_cmp, device)
+    lo = cu_c[seq]
+    nv = torch.where(pos + 1 < l, 0, torch.div(pos + 1 - l, d, rounding_mode="floor") + 1)
+    hi = torch.minimum(lo + nv, cu_c[seq + 1])
+    inside = seq_c < cu_c.numel() - 1
+    cs = seq_c.clamp_max(cu_c.numel() - 2)
+    qlo = torch.where(inside, cu[cs] + pos_c * d + l - 1, 0)
+    qhi = torch.where(inside, cu[cs + 1], 0)
+    return _i32(lo, hi, qlo, qhi)
+
+
+def _win_ranges(B, T, w, cu_seqlens, device):
+    """Window: query t reads keys [max(bos, t - w + 1), t + 1); key u is read by queries [u, min(eos, u + w))."""
+    cu, seq, pos = sequences(B, T, cu_seqlens, device)
+    t = torch.arange(B * T, device=device)
+    bos, eos = cu[seq], cu[seq + 1]
+    return _i32(torch.maximum(bos, t - w + 1), t + 1, t, torch.minimum(eos, t + w))
+
+
+def _ranges(kind, B, T, Tk, a, b, cu_seqlens, cu_seqlens_cmp, device):
+    """(geo kwargs of the kernels, lo, hi, qlo, qhi): index arrays only for var-length input."""
+    geo = dict(KIND=kind, VARLEN=cu_seqlens is not None, SEQ_T=T, SEQ_TK=Tk, A=a, BB=b)
+    if cu_seqlens is None:
+        return (geo, *[torch.empty(1, device=device, dtype=torch.int32)] * 4)
+    if kind == 0:
+        return (geo, *_cmp_ranges(B, T, Tk, a, b, cu_seqlens, cu_seqlens_cmp, device))
+    return (geo, *_win_ranges(B, T, a, cu_seqlens, device))
+
+
+def _sizes(q, k, v, M):
+    """head_sizes plus BT = M / BG tokens per tile, for packed q (NT, HQ, D), k (NK, H, D), v (NK, H, Dv)."""
+    c = head_sizes(q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1])
+    return dict(c, BT=max(1, M // c["BG"]))
+
+
+def _launch_cfg(name, width):
+    """(M, launch kwargs) for a kernel; heads wider than 128 halve the tiles so they fit in shared memory."""
+    c = dict(CONFIG[name])
+    M = c.pop("M")
+    if width > 128:
+        M = max(16, M // 2)
+        if "BN" in c:
+            c["BN"] = max(16, c["BN"] // 2)
+    return M, c
+
+
+def _range_fwd(q, k, v, geo, lo, hi, scale):
+    """q (NT, HQ, D), k (NK, H, D), v (NK, H, Dv) packed -> o (NT, HQ, Dv), lse (NT, HQ) fp32 natural log."""
+    NT, HQ, _ = q.shape
+    o = torch.empty(NT, HQ, v.shape[2], device=q.device, dtype=q.dtype)
+    lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
+    if NT == 0:
+        return o, lse
+    M, launch = _launch_cfg("fwd", max(q.shape[2], v.shape[2]))
+    c = _sizes(q, k, v, M)
+    _range_fwd_kernel[(triton.cdiv(NT, c["BT"]), c["H"])](q, k, v, o, lse, lo, hi, scale * math.log2(math.e), NT,
+                                                          **geo, **c, **launch)
+    return o, lse
+
+
+def _range_bwd(do, q, k, v, o, lse, geo, lo, hi, qlo, qhi, scale, n_chunks):
+    """n_chunks > 1 splits each key block's queries into token chunks (parallelism when keys are few, as in the
+    compressed branch): fp32 partials summed in a fixed order, so still deterministic."""
+    NT, HQ, _ = q.shape
+    NK = k.shape[0]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
+    sl2 = scale * math.log2(math.e)
+    if NT > 0:
+        M, launch = _launch_cfg("dq", max(q.shape[2], v.shape[2]))
+        c = _sizes(q, k, v, M)
+        _range_bwd_dq_kernel[(triton.cdiv(NT, c["BT"]), c["H"])](q, k, v, o, do, lse, delta, dq, lo, hi, sl2, scale,
+                                                                 NT, **geo, **c, **launch)
+    if NK > 0 and NT > 0:
+        M, launch = _launch_cfg("dkv", max(q.shape[2], v.shape[2]))
+        c = _sizes(q, k, v, M)
+        qch = triton.cdiv(triton.cdiv(NT, n_chunks), c["BT"]) * c["BT"]
+        nqc = triton.cdiv(NT, qch)
+        dk_p, dv_p = (dk, dv) if nqc == 1 else (k.new_empty(nqc, *k.shape, dtype=torch.float32),
+                                                 v.new_empty(nqc, *v.shape, dtype=torch.float32))
+        _range_bwd_dkv_kernel[(triton.cdiv(NK, launch["BN"]), nqc, c["H"])](
+            q, k, v, do, lse, delta, dk_p, dv_p, qlo, qhi, sl2, scale, NK, qch, **geo, **c, **launch)
+        if nqc > 1:
+            dk, dv = dk_p.sum(0).to(k.dtype), dv_p.sum(0).to(v.dtype)
+    elif NK > 0:
+        dk.zero_()
+        dv.zero_()
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch.library ops: opaque to torch.compile (fake impls give shapes), autograd through the backward op.
+# range attention: kind 0 = compressed (a, b = cmp_block, cmp_stride), kind 1 = window (a = window).
+
+def _range_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: int, a: int, b: int, scale: float,
+                    cu_seqlens: Optional[torch.Tensor], cu_seqlens_cmp: Optional[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    B, T, HQ, _ = q.shape
+    geo, lo, hi, _, _ = _ranges(kind, B, T, k.shape[1], a, b, cu_seqlens, cu_seqlens_cmp, q.device)
+    o, lse = _range_fwd(pack(q), pack(k), pack(v), geo, lo, hi, scale)
+    return o.view(B, T, HQ, v.shape[3]), lse.view(B, T, HQ)
+
+
+def _range_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                    lse: torch.Tensor, kind: int, a: int, b: int, scale: float, cu_seqlens: Optional[torch.Tensor],
+                    cu_seqlens_cmp: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, T, HQ, _ = q.shape
+    geo, lo, hi, qlo, qhi = _ranges(kind, B, T, k.shape[1], a, b, cu_seqlens, cu_seqlens_cmp, q.device)
+    # compressed keys are few (T / d): split each key block's queries into chunks so the dk/dv grid fills the GPU
+    n_key_programs = triton.cdiv(k.shape[0] * k.shape[1], CONFIG["dkv"]["BN"]) * k.shape[2]
+    n_chunks = 1 if kind == 1 else max(1, min(triton.cdiv(B * T, DKV_CHUNK), triton.cdiv(2048, max(1, n_key_programs))))
+    dq, dk, dv = _range_bwd(pack(do), pack(q), pack(k), pack(v), pack(o), pack(lse), geo, lo, hi, qlo, qhi, scale,
+                            n_chunks)
+    return dq.view_as(q), dk.view_as(k), dv.view_as(v)
+
+
+range_attn_fwd, range_attn_bwd = attention_op("range_attn", _range_attn_fwd, _range_attn_bwd)
+
+
+@torch.library.custom_op("nsa::select", mutates_args=())
+def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block: int, cmp_stride: int,
+              sel_block: int, n_select: int, n_init: int, n_local: int, scale: float,
+              cu_seqlens: Optional[torch.Tensor], cu_seqlens_cmp: Optional[torch.Tensor]) -> torch.Tensor:
+    B, T, HQ, D = q.shape
+    Tc, H = k_cmp.shape[1], k_cmp.shape[2]
+    idx = torch.empty(B * T, H, n_select, device=q.device, dtype=torch.int32)
+    if B * T == 0:
+        return idx.view(B, T, H, n_select)
+    if cu_seqlens is None:                                # the kernel computes positions itself
+        seq = pos = cu_c = idx
+    else:
+        _, seq, pos = sequences(B, T, cu_seqlens, q.device)
+        seq, pos, cu_c = _i32(seq, pos, cu_seqlens_cmp)
+    M, launch = _launch_cfg("select", D)
+    c = _sizes(q, k_cmp, k_cmp, M)
+    NP = max(16, triton.next_power_of_2(n_select))
+    BKC = max(16, triton.next_power_of_2(NP * (sel_block // cmp_stride)))
+    _select_kernel[(triton.cdiv(B * T, c["BT"]), H)](
+        pack(q), pack(k_cmp), pack(lse), idx, pos, seq, cu_c, scale * math.log2(math.e), B * T,
+        VARLEN=cu_seqlens is not None, SEQ_T=T, SEQ_TK=Tc,
+        H=H, G=c["G"], BG=c["BG"], BT=c["BT"], D=D, BD=c["BD"], L=cmp_block, DS=cmp_stride, LS=sel_block,
+        NS=n_select, NP=NP, BKC=BKC, N_INIT=n_init, N_LOCAL=n_local, LOG_NP=int(math.log2(NP)),
+        N_DIMS=int(math.log2(NP * c["BT"])), **launch)
+    return idx.view(B, T, H, n_select)
+
+
+@select_op.register_fake
+def _(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale, cu_seqlens, cu_seqlens_cmp):
+    B, T, _, _ = q.shape
+    return q.new_empty(B, T, k_cmp.shape[2], n_select, dtype=torch.int32)
 
 
 @torch.library.custom_op("nsa::decode", mutates_args=("idx", "score", "reads", "gate_out"))
@@ -818,9 +821,12 @@ def decode_op(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: 
     B, HQ, D = q.shape
     H, TC, DV = k_cmp.shape[1], k_cmp.shape[2], v_cmp.shape[3]
     S, W = k_slc.shape[2], k_win.shape[2]
-    G, dev, f32, num_blocks = HQ // H, q.device, torch.float32, score.shape[-1]
-    BG, BD, BDV = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D)), \
-        max(16, triton.next_power_of_2(DV))
+    dev, f32, num_blocks = q.device, torch.float32, score.shape[-1]
+    if B == 0:
+        return q.new_empty(0, HQ, DV, dtype=f32)
+    dims = dict(head_sizes(HQ, H, D, DV), PREC="ieee" if q.dtype == f32 else "tf32")
+    G = dims["G"]
+    dims["BG"] = max(16, dims["BG"])                                   # one [BG, D] tile per group: tl.dot rows
     cfg = DECODE_CONFIG
     BC, WN, BJ, SB = cfg["cmp_keys"], cfg["window_keys"], cfg["score_blocks"], cfg["attend_blocks"]
     nsplit = min(triton.cdiv(TC, BC), triton.cdiv(cfg["programs"], B * H))
@@ -837,23 +843,22 @@ def decode_op(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: 
     BNS = max(2, triton.next_power_of_2(n_select))
     scale_log2 = scale * math.log2(math.e)
     q, pos, gate = q.contiguous(), pos.contiguous(), gate.float().contiguous()
-    dims = dict(G=G, BG=BG, D=D, DV=DV, BD=BD, BDV=BDV, PREC="ieee" if q.dtype == f32 else "tf32")
     _dec_cmp_kernel[(B * H, nsplit + nwin)](q, k_cmp, v_cmp, k_win, v_win, pos, s, m_p, l_p, acc_p, scale_log2, TC,
-                                            per_split, nsplit, cmp_block, cmp_stride, W, WN, npart, H=H, BN=BC,
+                                            per_split, nsplit, cmp_block, cmp_stride, W, WN, npart, BN=BC,
                                             **dims, num_warps=cfg["cmp_warps"], num_stages=cfg["cmp_stages"])
     _dec_score_kernel[(B * H, nchunk)](s, m_p, l_p, pos, score, cand, TC, nsplit, npart, num_blocks, nchunk,
-                                       cmp_block, cmp_stride, sel_block, n_init, n_local, G=G, BG=BG, H=H,
+                                       cmp_block, cmp_stride, sel_block, n_init, n_local, G=G, BG=dims["BG"], H=H,
                                        BS=max(2, triton.next_power_of_2(nsplit)), BJ=BJ, NS=n_select, BNS=BNS,
                                        num_warps=cfg["score_warps"])
     _dec_attend_kernel[(B * H, nsel)](q, k_slc, v_slc, pos, cand, idx, reads, m_p, l_p, acc_p, scale_log2, S, W,
                                       sel_block, nchunk * n_select, cmp_block, cmp_stride, TC, nsplit + nwin, npart,
-                                      H=H, NS=n_select, BNS=BNS, SB=SB,
+                                      NS=n_select, BNS=BNS, SB=SB,
                                       BCAND=max(16, triton.next_power_of_2(nchunk * n_select)),
                                       BN=max(16, triton.next_power_of_2(sel_block)), **dims,
                                       num_warps=cfg["attend_warps"])
     BP = max(2, triton.next_power_of_2(npart))                         # combine: one warp per 4096 partial values
     _dec_combine_kernel[(B * HQ,)](gate, gate_out, o, m_p, l_p, acc_p, nsplit, nwin, npart, G=G, DV=DV,
-                                   BP=BP, BDV=BDV, num_warps=max(1, min(8, BP * BDV // 4096)))
+                                   BP=BP, BDV=dims["BDV"], num_warps=max(1, min(8, BP * dims["BDV"] // 4096)))
     return o
 
 
@@ -867,8 +872,8 @@ def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, pos, gate, idx, score, reads,
 # public functions (nsa_attention.py validates inputs before calling these)
 
 def compressed_attention_triton(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, cu_seqlens=None, cu_seqlens_cmp=None):
-    """Attention over compressed tokens (SPEC.md "Compressed"), differentiable in q, k_cmp, v_cmp.
-    q (B, T, HQ, D), k_cmp (B, Tc, H, D), v_cmp (B, Tc, H, Dv) fp16/bf16/fp32; query t sees block i iff
+    """Attention over compressed tokens (the definition in nsa_attention.py, "Compressed"), differentiable in q,
+    k_cmp, v_cmp. q (B, T, HQ, D), k_cmp (B, Tc, H, D), v_cmp (B, Tc, H, Dv) fp16/bf16/fp32; query t sees block i iff
     i*d + l - 1 <= t (relative to its sequence with cu_seqlens int32 (N+1,), B == 1, and cu_seqlens_cmp int32 (N+1,)).
     Returns o (B, T, HQ, Dv) in q's dtype and lse (B, T, HQ) fp32 (no gradient; -inf and o = 0 where no block)."""
     if cu_seqlens is not None and cu_seqlens_cmp is None:
@@ -878,17 +883,19 @@ def compressed_attention_triton(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, c
 
 
 def window_attention_triton(q, k, v, window, scale, cu_seqlens=None):
-    """Sliding-window causal attention (SPEC.md): query t sees keys max(bos, t - window + 1) .. t.
-    q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv); cu_seqlens int32 (N+1,) with B == 1 for packed sequences.
-    Returns o (B, T, HQ, Dv) in q's dtype, differentiable in q, k, v (deterministic backward)."""
+    """Sliding-window causal attention (the definition in nsa_attention.py, "Window"): query t sees keys
+    max(bos, t - window + 1) .. t. q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv); cu_seqlens int32 (N+1,) with
+    B == 1 for packed sequences. Returns o (B, T, HQ, Dv) in q's dtype, differentiable in q, k, v (deterministic
+    backward)."""
     return range_attn_fwd(q, k, v, 1, int(window), 0, float(scale), cu_seqlens, None)[0]
 
 
 def select_blocks_triton(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale,
                          cu_seqlens=None, cu_seqlens_cmp=None, lse=None):
-    """Top-n selection blocks (SPEC.md "Selected", Eq. 8-10) without materialising scores. q (B, T, HQ, D),
-    k_cmp (B, Tc, H, D); lse (B, T, HQ) fp32 from compressed_attention (computed here when None).
-    Returns int32 (B, T, H, n_select): valid block ids ascending (forced blocks included), then -1. No gradient."""
+    """Top-n selection blocks (the definition in nsa_attention.py, "Selected", Eq. 8-10) without materialising
+    scores. q (B, T, HQ, D), k_cmp (B, Tc, H, D); lse (B, T, HQ) fp32 from compressed_attention (computed here when
+    None). Returns int32 (B, T, H, n_select): valid block ids ascending (forced blocks included), then -1. No
+    gradient."""
     if cu_seqlens is not None and cu_seqlens_cmp is None:
         raise ValueError("cu_seqlens_cmp is needed with cu_seqlens (nsa_attention.cmp_cu_seqlens builds it)")
     q, k_cmp = q.detach(), k_cmp.detach()
@@ -901,9 +908,9 @@ def select_blocks_triton(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select, n
 
 def decode_attention_triton(q, cache, pos, gate, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale):
     """One decode step of the three branches and the gate over an nsa_attention.nsa_cache (its reference is
-    nsa_attention.decode_attention's torch path). q (B, HQ, D) with RoPE, pos (B,) int64, gate (B, HQ, 3). Returns o
-    (B, HQ, Dv) fp32 and writes the cache's sel_idx (B, H, n), sel_score (B, H, nb) (Eq. 10), reads (B, H, 3) and gate
-    (B, HQ, 3)."""
+    nsa_attention.decode_attention's torch path; the definition in nsa_attention.py, "Decode reads"). q (B, HQ, D)
+    with RoPE, pos (B,) int64, gate (B, HQ, 3). Returns o (B, HQ, Dv) fp32 and writes the cache's sel_idx (B, H, n),
+    sel_score (B, H, nb) (Eq. 10), reads (B, H, 3) and gate (B, HQ, 3)."""
     c = cache
     if c.sel_score.shape[-1] >= 1 << 20:
         raise ValueError(f"decode supports fewer than 2^20 selection blocks, got {c.sel_score.shape[-1]}")

@@ -1,12 +1,16 @@
-"""Triton kernels for NSA's selected-block attention (SPEC.md "Selected", paper Sec. 3.3.2 / 3.4): forward, dq, dk/dv,
-registered as torch.library ops nsa::sel_attn_fwd / nsa::sel_attn_bwd; nsa_attention.selection_attention (backend
-"auto" on CUDA, or "triton") calls selection_attention_triton; its PyTorch reference is what the tests compare to."""
+"""Triton kernels for NSA's selected-block attention (the definition in nsa_attention.py, "Selected"; paper
+Sec. 3.3.2 / 3.4): forward, dq, dk/dv, registered as the ops nsa::sel_attn_fwd / _bwd. nsa_attention.selection_attention
+(backend "auto" on CUDA, or "triton") calls selection_attention_triton; row tiles, the online-softmax step, op
+registration and token positions come from the shared pieces of nsa_kernels.py."""
 import math
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from nsa_kernels import (attention_op, head_sizes, load_rows, pack, sequences, softmax_finish, softmax_step,
+                         store_rows, tile_rows)
 
 # Layout of the work (NT = all packed tokens, H kv heads, G = HQ / H query heads per kv head, l' = sel_block, n slots):
 # - forward and dq: query-centric. One program = BT consecutive tokens x the G heads of one kv group (a [BT*BG, D] Q
@@ -18,9 +22,10 @@ import triton.language as tl
 #   chunk writes an fp32 partial dK/dV tile and a reduction kernel adds a block's partials in chunk order. No atomics.
 # - CONFIG["path"] = "key" (or "auto" at small G): a key-centric forward and dq instead, in the last section.
 # - ids are cleaned once on the host side (torch ops, no sync): out of [0, t // l'] or repeated -> -1.
+# The file reads: inner loops -> kernels -> host launchers (_fwd, _bwd) -> ops -> selection_attention_triton.
 
 CHUNK_ROWS = 16384  # query rows (tokens x G) per dk/dv work item; scratch is (T*H*n*G / CHUNK_ROWS + blocks) tiles
-# launch parameters per kernel, measured on one H100 (see /work/notes/kernel_readme.md); bench.py may override
+# launch parameters per kernel, picked on one H100 with bench.py's launch sweep (which may override them);
 # rows: query rows per program (tokens x BG, at least 16 for tl.dot), rounded to whole tokens; union: a tile of
 # several tokens loads a block listed by several of them once
 CONFIG = {
@@ -64,56 +69,52 @@ def _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT, H: tl.c
 
 
 @triton.jit
+def _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
+               H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+               BS: tl.constexpr, BK: tl.constexpr):
+    """The keys of selected block j (positions j*l' .. j*l' + l' - 1 of the sequence starting at token bos) in
+    BK-steps, read by the rows m_row up to their own positions rel_r (rel_max: the largest of them)."""
+    o_k = tl.arange(0, BK)
+    for kc in tl.static_range(0, BS, BK):
+        u = j * BS + kc + o_k                                               # [BK] key positions (relative)
+        m_k = (kc + o_k < BS) & (u >= 0) & (u <= rel_max)                   # none when no row uses j
+        k_off = (bos + u).to(tl.int64) * H + i_h
+        b_k = load_rows(k, k_off, m_k, D, BD)                               # [BK, BD]
+        b_v = load_rows(v, k_off, m_k, DV, BDV)                             # [BK, BDV]
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
+        m_s = m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])  # causal inside the block
+        m_i, l_i, acc = softmax_step(tl.where(m_s, b_s, float("-inf")), b_v, m_i, l_i, acc)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _sel_fwd_kernel(q, k, v, o, lse, idx, pos, scale_log2, NT,
                     H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
                     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                     BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    HQ: tl.constexpr = H * G
     M: tl.constexpr = BT * BG
-    o_r = tl.arange(0, M)
-    p_r = o_r // BG                                       # token of each row inside the tile
-    g_r = o_r % BG                                        # head of each row inside the group
+    p_r = tl.arange(0, M) // BG                           # [M] token of each row inside the tile
     t_r = i_t * BT + p_r                                  # [M] global token
     m_t = t_r < NT
-    m_r = m_t & (g_r < G)
-    t64 = t_r.to(tl.int64)
-    hq_r = i_h * G + g_r
+    m_r, t_off, hq_r = tile_rows(t_r, m_t, i_h, H, G, BG, BT)
     rel_r = tl.load(pos + t_r, mask=m_t, other=0)                          # [M] positions inside the sequences
     bos_r = t_r - rel_r                                                     # [M] sequence starts
-    o_d, o_dv, o_s, o_k = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BNS), tl.arange(0, BK)
-    b_q = tl.load(q + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :],
-                  mask=m_r[:, None] & (o_d < D)[None, :], other=0.)                         # [M, BD]
-    b_idx = tl.load(idx + (t64 * H + i_h)[:, None] * NS + o_s[None, :],
-                    mask=m_t[:, None] & (o_s < NS)[None, :], other=-1)                      # [M, BNS]
+    b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                            # [M, BD]
+    o_s = tl.arange(0, BNS)
+    b_idx = tl.load(idx + (t_r.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :],
+                    mask=m_t[:, None] & (o_s < NS)[None, :], other=-1)      # [M, BNS]
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BDV], tl.float32)
-    for f in range(BT * NS):
+    for f in range(BT * NS):                              # slot f = (token f // n, slot f % n) of the tile
         j, bos, m_row, rel_max = _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT,
                                             H, BT, BS, NS, BNS, UNION)
-        for kc in tl.static_range(0, BS, BK):
-            u = j * BS + kc + o_k                                           # [BK] key positions (relative)
-            m_k = (kc + o_k < BS) & (u >= 0) & (u <= rel_max)               # none when no row uses j
-            k_off = ((bos + u).to(tl.int64) * H + i_h)
-            b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
-            b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                   # [M, BK]
-            m_s = m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])  # causal inside the block
-            b_s = tl.where(m_s, b_s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(b_s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0., m_new)             # rows with no key yet stay at 0
-            alpha = tl.exp2(m_i - m_use)
-            b_p = tl.exp2(b_s - m_use[:, None])                             # [M, BK]
-            l_i = l_i * alpha + tl.sum(b_p, 1)
-            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)     # [M, BDV]
-            m_i = m_new
-    l_safe = tl.where(l_i == 0., 1., l_i)
-    b_o = acc / l_safe[:, None]                                             # no key: o = 0
-    b_lse = tl.where(l_i == 0., float("-inf"), m_i + tl.log2(l_safe))       # base-2 lse of the scaled scores
-    tl.store(o + (t64 * HQ + hq_r)[:, None] * DV + o_dv[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_r[:, None] & (o_dv < DV)[None, :])
-    tl.store(lse + t64 * HQ + hq_r, b_lse, mask=m_r)
+        m_i, l_i, acc = _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
+                                   H, D, DV, BD, BDV, BS, BK)
+    b_o, b_lse = softmax_finish(m_i, l_i, acc)            # lse: base 2, of the scaled scores
+    store_rows(o, t_off + hq_r, m_r, b_o, DV, BDV)
+    tl.store(lse + t_off + hq_r, b_lse, mask=m_r)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -122,13 +123,31 @@ def _sel_fwd_kernel(q, k, v, o, lse, idx, pos, scale_log2, NT,
 @triton.jit
 def _sel_bwd_delta_kernel(o, do, delta, NR, DV: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr):
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
-    o_dv = tl.arange(0, BDV)
     m_r = o_r < NR
-    off = o_r.to(tl.int64)[:, None] * DV + o_dv[None, :]
-    msk = m_r[:, None] & (o_dv < DV)[None, :]
-    b_o = tl.load(o + off, mask=msk, other=0.).to(tl.float32)               # [BR, BDV]
-    b_do = tl.load(do + off, mask=msk, other=0.).to(tl.float32)
+    b_o = load_rows(o, o_r, m_r, DV, BDV).to(tl.float32)                   # [BR, BDV]
+    b_do = load_rows(do, o_r, m_r, DV, BDV).to(tl.float32)
     tl.store(delta + o_r, tl.sum(b_o * b_do, 1), mask=m_r)
+
+
+@triton.jit
+def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
+              H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+              BS: tl.constexpr, BK: tl.constexpr):
+    """dq over the keys of selected block j, as _fwd_inner walks them."""
+    o_k = tl.arange(0, BK)
+    for kc in tl.static_range(0, BS, BK):
+        u = j * BS + kc + o_k
+        m_k = (kc + o_k < BS) & (u >= 0) & (u <= rel_max)                   # none when no row uses j
+        k_off = (bos + u).to(tl.int64) * H + i_h
+        b_k = load_rows(k, k_off, m_k, D, BD)
+        b_v = load_rows(v, k_off, m_k, DV, BDV)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
+        m_s = m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])
+        b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
+        b_dp = tl.dot(b_do, tl.trans(b_v))                                  # [M, BK]
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)                             # [M, BD]
+    return b_dq
 
 
 @triton.jit
@@ -137,45 +156,27 @@ def _sel_bwd_dq_kernel(q, k, v, do, lse, delta, dq, idx, pos, scale_log2, scale,
                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    HQ: tl.constexpr = H * G
     M: tl.constexpr = BT * BG
-    o_r = tl.arange(0, M)
-    p_r = o_r // BG
-    g_r = o_r % BG
+    p_r = tl.arange(0, M) // BG
     t_r = i_t * BT + p_r
     m_t = t_r < NT
-    m_r = m_t & (g_r < G)
-    t64 = t_r.to(tl.int64)
-    hq_r = i_h * G + g_r
+    m_r, t_off, hq_r = tile_rows(t_r, m_t, i_h, H, G, BG, BT)
     rel_r = tl.load(pos + t_r, mask=m_t, other=0)                          # [M] positions inside the sequences
     bos_r = t_r - rel_r                                                     # [M] sequence starts
-    o_d, o_dv, o_s, o_k = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BNS), tl.arange(0, BK)
-    b_q = tl.load(q + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :],
-                  mask=m_r[:, None] & (o_d < D)[None, :], other=0.)                         # [M, BD]
-    b_do = tl.load(do + (t64 * HQ + hq_r)[:, None] * DV + o_dv[None, :],
-                   mask=m_r[:, None] & (o_dv < DV)[None, :], other=0.)                      # [M, BDV]
-    b_lse = tl.load(lse + t64 * HQ + hq_r, mask=m_r, other=0.)                              # [M]
-    b_delta = tl.load(delta + t64 * HQ + hq_r, mask=m_r, other=0.)                          # [M]
-    b_idx = tl.load(idx + (t64 * H + i_h)[:, None] * NS + o_s[None, :],
-                    mask=m_t[:, None] & (o_s < NS)[None, :], other=-1)                      # [M, BNS]
+    b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                            # [M, BD]
+    b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                        # [M, BDV]
+    b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.)                 # [M]
+    b_delta = tl.load(delta + t_off + hq_r, mask=m_r, other=0.)             # [M]
+    o_s = tl.arange(0, BNS)
+    b_idx = tl.load(idx + (t_r.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :],
+                    mask=m_t[:, None] & (o_s < NS)[None, :], other=-1)      # [M, BNS]
     b_dq = tl.zeros([M, BD], tl.float32)
     for f in range(BT * NS):
         j, bos, m_row, rel_max = _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT,
                                             H, BT, BS, NS, BNS, UNION)
-        for kc in tl.static_range(0, BS, BK):
-            u = j * BS + kc + o_k
-            m_k = (kc + o_k < BS) & (u >= 0) & (u <= rel_max)               # none when no row uses j
-            k_off = ((bos + u).to(tl.int64) * H + i_h)
-            b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
-            b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                   # [M, BK]
-            m_s = m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])
-            b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
-            b_dp = tl.dot(b_do, tl.trans(b_v))                              # [M, BK]
-            b_ds = b_p * (b_dp - b_delta[:, None])
-            b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)                         # [M, BD]
-    tl.store(dq + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :], (b_dq * scale).to(dq.dtype.element_ty),
-             mask=m_r[:, None] & (o_d < D)[None, :])
+        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
+                         H, D, DV, BD, BDV, BS, BK)
+    store_rows(dq, t_off + hq_r, m_r, b_dq * scale, D, BD)
 
 
 @triton.jit
@@ -185,37 +186,30 @@ def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, rev_t, c_begin, c_end, c_key, d
                         D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                         BS: tl.constexpr, BK: tl.constexpr, BSP: tl.constexpr):
     i_c, i_kc = tl.program_id(0), tl.program_id(1)
-    HQ: tl.constexpr = H * G
-    M: tl.constexpr = BQ * BG
     e0 = tl.load(c_begin + i_c)                           # this chunk: entries [e0, e1) of the sorted lists
     e1 = tl.load(c_end + i_c)
     key = tl.load(c_key + i_c)                            # kv head * NT + global start of the block
     i_h = (key // NT).to(tl.int32)
     kst = key % NT
-    o_d, o_dv, o_k, o_r = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BK), tl.arange(0, M)
+    o_k = tl.arange(0, BK)
     u = kst + i_kc * BK + o_k                             # [BK] global key tokens
     m_k = (i_kc * BK + o_k < BS) & (u < NT)
     rel_k = tl.load(pos + kst) + i_kc * BK + o_k          # [BK] key positions inside the sequence
     k_off = u * H + i_h
-    b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
-    b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
+    b_k = load_rows(k, k_off, m_k, D, BD)                                   # [BK, BD]
+    b_v = load_rows(v, k_off, m_k, DV, BDV)                                 # [BK, BDV]
     b_dk = tl.zeros([BK, BD], tl.float32)
     b_dv = tl.zeros([BK, BDV], tl.float32)
-    e_r = o_r // BG
-    g_r = o_r % BG
+    e_r = tl.arange(0, BQ * BG) // BG                     # [M] entry of each row, then the G heads
     for e in range(e0, e1, BQ):
         m_e = e + e_r < e1
         t_r = tl.load(rev_t + e + e_r, mask=m_e, other=-1)                # [M] query tokens, ascending
-        m_r = m_e & (t_r >= 0) & (g_r < G)
-        t64 = t_r.to(tl.int64)
-        hq_r = i_h * G + g_r
+        m_r, t_off, hq_r = tile_rows(t_r, m_e & (t_r >= 0), i_h, H, G, BG, BQ)
         rel_r = tl.load(pos + t_r, mask=m_r, other=-1)
-        b_q = tl.load(q + (t64 * HQ + hq_r)[:, None] * D + o_d[None, :],
-                      mask=m_r[:, None] & (o_d < D)[None, :], other=0.)                     # [M, BD]
-        b_do = tl.load(do + (t64 * HQ + hq_r)[:, None] * DV + o_dv[None, :],
-                       mask=m_r[:, None] & (o_dv < DV)[None, :], other=0.)                  # [M, BDV]
-        b_lse = tl.load(lse + t64 * HQ + hq_r, mask=m_r, other=0.)
-        b_delta = tl.load(delta + t64 * HQ + hq_r, mask=m_r, other=0.)
+        b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                        # [M, BD]
+        b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                    # [M, BDV]
+        b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.)
+        b_delta = tl.load(delta + t_off + hq_r, mask=m_r, other=0.)
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
         m_s = m_r[:, None] & m_k[None, :] & (rel_k[None, :] <= rel_r[:, None])
         b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
@@ -223,9 +217,9 @@ def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, rev_t, c_begin, c_end, c_key, d
         b_dp = tl.dot(b_do, tl.trans(b_v))                                  # [M, BK]
         b_ds = b_p * (b_dp - b_delta[:, None])
         b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)                   # [BK, BD]
-    row = (i_c.to(tl.int64) * BSP + i_kc * BK + o_k)[:, None]
-    tl.store(dk_part + row * D + o_d[None, :], b_dk * scale, mask=(o_d < D)[None, :])
-    tl.store(dv_part + row * DV + o_dv[None, :], b_dv, mask=(o_dv < DV)[None, :])
+    part = i_c.to(tl.int64) * BSP + i_kc * BK + o_k                         # [BK] rows of the partials, all stored
+    store_rows(dk_part, part, tl.full([BK], 1, tl.int1), b_dk * scale, D, BD)
+    store_rows(dv_part, part, tl.full([BK], 1, tl.int1), b_dv, DV, BDV)
 
 
 @triton.jit
@@ -233,7 +227,6 @@ def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT,
                            H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                            BS: tl.constexpr, BSP: tl.constexpr, BR: tl.constexpr):
     i_r, i_h = tl.program_id(0), tl.program_id(1)
-    o_d, o_dv = tl.arange(0, BD), tl.arange(0, BDV)
     u = i_r * BR + tl.arange(0, BR)                       # [BR] global key tokens
     m_u = u < NT
     off = tl.load(pos + u, mask=m_u, other=0) % BS        # row inside its selection block
@@ -244,31 +237,25 @@ def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT,
     b_dv = tl.zeros([BR, BDV], tl.float32)
     for c in range(0, tl.max(c1 - c0)):
         m_c = m_u & (c0 + c < c1)
-        row = ((c0 + c).to(tl.int64) * BSP + off)[:, None]
-        b_dk += tl.load(dk_part + row * D + o_d[None, :], mask=m_c[:, None] & (o_d < D)[None, :], other=0.)
-        b_dv += tl.load(dv_part + row * DV + o_dv[None, :], mask=m_c[:, None] & (o_dv < DV)[None, :], other=0.)
-    out = (u.to(tl.int64) * H + i_h)[:, None]
-    tl.store(dk + out * D + o_d[None, :], b_dk.to(dk.dtype.element_ty), mask=m_u[:, None] & (o_d < D)[None, :])
-    tl.store(dv + out * DV + o_dv[None, :], b_dv.to(dv.dtype.element_ty), mask=m_u[:, None] & (o_dv < DV)[None, :])
+        part = (c0 + c).to(tl.int64) * BSP + off
+        b_dk += load_rows(dk_part, part, m_c, D, BD)
+        b_dv += load_rows(dv_part, part, m_c, DV, BDV)
+    out = u.to(tl.int64) * H + i_h
+    store_rows(dk, out, m_u, b_dk, D, BD)
+    store_rows(dv, out, m_u, b_dv, DV, BDV)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# launchers (no host syncs: every size below comes from shapes, so torch.compile and CUDA graphs can capture them)
+# host launchers (no host syncs: every size below comes from shapes, so torch.compile and CUDA graphs can capture them)
 
 def _flat(q, k, v, block_indices, sel_block, cu_seqlens):
     """Packs (B, T, ...) into one token axis of B*T tokens; returns them, the cleaned ids, pos (B*T,) int32 (the
     position of each token inside its own sequence: positions restart at each cu_seqlens offset), and the number
     of sequences."""
-    B, T, HQ, D = q.shape
-    NT = B * T
-    t = torch.arange(NT, device=q.device)
-    if cu_seqlens is None:
-        pos, n_seq = t % T, B
-    else:
-        cu = cu_seqlens.long()
-        pos, n_seq = t - cu[torch.searchsorted(cu[1:], t, right=True)], cu_seqlens.numel() - 1
-    flat = lambda x: x.reshape(NT, *x.shape[2:]).contiguous()
-    return flat(q), flat(k), flat(v), _clean_indices(flat(block_indices), pos, sel_block), pos.to(torch.int32), n_seq
+    B, T = q.shape[:2]
+    cu, _, pos = sequences(B, T, cu_seqlens, q.device)
+    return (pack(q), pack(k), pack(v), _clean_indices(pack(block_indices), pos, sel_block), pos.to(torch.int32),
+            cu.numel() - 1)
 
 
 def _clean_indices(idx, pos, sel_block):
@@ -281,15 +268,12 @@ def _clean_indices(idx, pos, sel_block):
 
 
 def _sizes(q, k, v, block_indices, sel_block):
-    G = q.shape[2] // k.shape[2]
-    D, DV, NS = q.shape[3], v.shape[3], block_indices.shape[3]
-    BG = triton.next_power_of_2(G)
-    BK = min(64, triton.next_power_of_2(sel_block))
-    return dict(H=k.shape[2], G=G, BG=BG, D=D, DV=DV, BD=max(16, triton.next_power_of_2(D)),
-                BDV=max(16, triton.next_power_of_2(DV)), BS=sel_block, BK=BK), NS
+    c = head_sizes(q.shape[2], k.shape[2], q.shape[3], v.shape[3])
+    return dict(c, BS=sel_block, BK=min(64, triton.next_power_of_2(sel_block))), block_indices.shape[3]
 
 
-def _fwd(q, k, v, block_indices, sel_block, scale, cu_seqlens):
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor, sel_block: int,
+         scale: float, cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, HQ, D = q.shape
     if _key_path(HQ // k.shape[2], B * T):
         return _fwd_key(q, k, v, block_indices, sel_block, scale, cu_seqlens)
@@ -341,7 +325,9 @@ def _reverse_index(idx, pos, sel_block, n_seq, chunk):
     return rev_t, c_begin, c_end, torch.where(c_begin < c_end, c_key, 0), seg_c0, seg_c1
 
 
-def _bwd(do, q, k, v, o, lse, block_indices, sel_block, scale, cu_seqlens):
+def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+         block_indices: torch.Tensor, sel_block: int, scale: float, cu_seqlens: Optional[torch.Tensor]
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, HQ, D = q.shape
     if B * T == 0 or block_indices.shape[3] == 0:  # no key anywhere: all gradients are zero
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -383,57 +369,21 @@ def _bwd(do, q, k, v, o, lse, block_indices, sel_block, scale, cu_seqlens):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# torch.library ops: opaque to torch.compile (fake impls give shapes), autograd through the backward op
+# torch.library ops nsa::sel_attn_fwd / nsa::sel_attn_bwd: opaque to torch.compile, autograd through the backward op
 
-@torch.library.custom_op("nsa::sel_attn_fwd", mutates_args=())
-def sel_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor, sel_block: int,
-                 scale: float, cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fwd(q, k, v, block_indices, sel_block, scale, cu_seqlens)
-
-
-@sel_attn_fwd.register_fake
-def _(q, k, v, block_indices, sel_block, scale, cu_seqlens):
-    B, T, HQ, _ = q.shape
-    return q.new_empty(B, T, HQ, v.shape[3]), q.new_empty(B, T, HQ, dtype=torch.float32)
-
-
-@torch.library.custom_op("nsa::sel_attn_bwd", mutates_args=())
-def sel_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, block_indices: torch.Tensor, sel_block: int, scale: float,
-                 cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _bwd(do, q, k, v, o, lse, block_indices, sel_block, scale, cu_seqlens)
-
-
-@sel_attn_bwd.register_fake
-def _(do, q, k, v, o, lse, block_indices, sel_block, scale, cu_seqlens):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, block_indices, sel_block, scale, cu_seqlens = inputs
-    o, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, o, lse, block_indices, cu_seqlens)
-    ctx.sel_block, ctx.scale = sel_block, scale
-
-
-def _backward(ctx, do, dlse):
-    q, k, v, o, lse, block_indices, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = sel_attn_bwd(do, q, k, v, o, lse, block_indices, ctx.sel_block, ctx.scale, cu_seqlens)
-    return dq, dk, dv, None, None, None, None
-
-
-sel_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+sel_attn_fwd, sel_attn_bwd = attention_op("sel_attn", _fwd, _bwd)
 
 
 def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu_seqlens=None):
-    """Selected-block attention (SPEC.md), differentiable in q, k, v; no host sync, deterministic backward.
-    q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv) fp16/bf16 (fp32 works: tf32 dots on GPU); HQ % H == 0.
-    block_indices int32 (B, T, H, n): for token t and kv head h the block ids j (keys [j*l', (j+1)*l') masked to
-    <= t); -1 or ids outside [0, t // l'] are ignored. cu_seqlens int32 (N+1,) with B == 1: packed sequences,
-    positions and block ids relative to each start. scale defaults to D ** -0.5. Returns o (B, T, HQ, Dv)."""
+    """Selected-block attention (the definition in nsa_attention.py, "Selected"), differentiable in q, k, v; no host
+    sync, deterministic backward. q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv) fp16/bf16 (fp32 works: tf32 dots
+    on GPU); HQ % H == 0. block_indices int32 (B, T, H, n): for token t and kv head h the block ids j (keys
+    [j*l', (j+1)*l') masked to <= t); -1 or ids outside [0, t // l'] are ignored. cu_seqlens int32 (N+1,) with
+    B == 1: packed sequences, positions and block ids relative to each start. scale defaults to D ** -0.5.
+    Returns o (B, T, HQ, Dv)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D (B, T, HQ|H, D), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"q, k, v must be 4-D (B, T, HQ|H, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     B, T, HQ, D = q.shape
     if k.shape[:2] != (B, T) or k.shape[3] != D or HQ % k.shape[2] or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"k must be (B, T, H, D) with H dividing HQ and v (B, T, H, Dv) for q {tuple(q.shape)}, "

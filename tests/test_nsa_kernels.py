@@ -246,6 +246,46 @@ def test_cu_seqlens_cmp_required():
         nk.select_blocks_triton(q, k, 8, 4, 16, 2, 1, 1, 0.1, cu, None)
 
 
+# (B, T, cu_seqlens): no token at all, no row, a batch of empty sequences; with cu_seqlens a single empty sequence
+EMPTY_CASES = {"B1-T0": (1, 0, None), "B0-T20": (0, 20, None), "B0-T0": (0, 0, None),
+               "B1-T0-varlen": (1, 0, [0, 0]), "B1-T0-two-empty-seqs": (1, 0, [0, 0, 0])}
+
+
+@pytest.mark.parametrize("B,T,cu", EMPTY_CASES.values(), ids=EMPTY_CASES.keys())
+def test_empty_inputs_match_reference(B, T, cu):
+    """No query: every op returns empty outputs of the reference's shapes and dtypes, gradients included; keys
+    nobody reads (k_cmp may hold padding blocks past cu_seqlens_cmp[-1]) get zero gradient."""
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    cu_c = None if cu is None else na.cmp_cu_seqlens(cu, 8, 4)
+    g = torch.Generator().manual_seed(15)
+    q, k, v = randn(g, B, T, 4, 32), randn(g, B, T, 2, 32), randn(g, B, T, 2, 16)
+    Tc = na.num_cmp_blocks(T, 8, 4) if cu is None else 2                       # with cu_seqlens: padding blocks
+    k_c, v_c = randn(g, B, Tc, 2, 32), randn(g, B, Tc, 2, 16)
+    for triton_fn, ref_fn, xs, args, kw in (
+            (nk.compressed_attention_triton, na.compressed_attention, (q, k_c, v_c), (8, 4), dict(cu_seqlens_cmp=cu_c)),
+            (nk.window_attention_triton, na.window_attention, (q, k, v), (8,), {})):
+        xs = [x.clone().requires_grad_() for x in xs]
+        out = triton_fn(*xs, *args, 0.2, cu_seqlens=cu, **kw)
+        ref = ref_fn(*xs, *args, scale=0.2, cu_seqlens=cu, backend="torch", **kw)
+        out, ref = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+        assert [(a.shape, a.dtype) for a in out] == [(b.shape, b.dtype) for b in ref]
+        grads = torch.autograd.grad(out[0].sum(), xs)
+        assert all(d.shape == x.shape and (d == 0).all() for d, x in zip(grads, xs))
+    idx = nk.select_blocks_triton(q, k_c, 8, 4, 16, 3, 1, 1, 0.2, cu, cu_c)
+    ref = na.select_blocks(q, k_c, 8, 4, 16, 3, 1, 1, cu_seqlens=cu, cu_seqlens_cmp=cu_c, backend="torch")
+    assert idx.shape == ref.shape and idx.dtype == ref.dtype
+
+
+def test_decode_empty_batch():
+    from model import GPTConfig, PRESETS
+    cfg = GPTConfig(**dict(PRESETS["tiny"], backend="torch"))
+    c = na.nsa_cache(0, 50, 4, 2, 16, cfg, "cpu", torch.float32)
+    q, pos, gate = torch.randn(0, 4, 16), torch.zeros(0, dtype=torch.int64), torch.rand(0, 4, 3)
+    o = nk.decode_attention_triton(q, c, pos, gate, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_select,
+                                   cfg.n_init, cfg.n_local, 0.25)
+    assert o.shape == na.decode_attention(q, c, pos, gate, cfg).shape == (0, 4, 16)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the module: the Triton path (both kernel files) against backend="torch", and torch.compile(fullgraph=True)
 

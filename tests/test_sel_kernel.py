@@ -169,12 +169,13 @@ def test_duplicate_ids_count_once():
 
 
 def test_empty_inputs():
-    """T = 0 and n = 0: no launch, o = 0 and zero gradients of the right shapes."""
-    for T, n in ((0, 3), (20, 0)):
-        qk = [torch.randn(1, T, h, 32, requires_grad=True) for h in (4, 2, 2)]
-        o = sel_kernel.selection_attention_triton(*qk, torch.zeros(1, T, 2, n, dtype=torch.int32), 16)
+    """T = 0, B = 0 and n = 0, with and without cu_seqlens: no launch, o = 0 and zero gradients of the right shapes."""
+    for B, T, n, cu in ((1, 0, 3, None), (0, 20, 3, None), (1, 0, 3, [0, 0]), (1, 20, 0, None), (1, 20, 0, [0, 20])):
+        cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+        qk = [torch.randn(B, T, h, 32, requires_grad=True) for h in (4, 2, 2)]
+        o = sel_kernel.selection_attention_triton(*qk, torch.zeros(B, T, 2, n, dtype=torch.int32), 16, None, cu)
         grads = torch.autograd.grad(o.sum(), qk, allow_unused=True)
-        assert o.shape == (1, T, 4, 32) and (o == 0).all()
+        assert o.shape == (B, T, 4, 32) and (o == 0).all()
         assert all(g.shape == x.shape and (g == 0).all() for g, x in zip(grads, qk))
 
 
