@@ -304,7 +304,7 @@ class TokenShards:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         self.meta, self.split, self.data_dir = load_meta(data_dir), split, data_dir
         self.vocab_size, self.eot = self.meta["vocab_size"], self.meta["eot"]
-        self.shards = []
+        self.shards, self.masks = [], []
         for entry in self.meta["splits"][split]["shards"]:
             path = os.path.join(data_dir, entry["file"])
             tokens, h = open_shard(path, verify), read_header(path)
@@ -312,6 +312,8 @@ class TokenShards:
                 raise ValueError(f"{path} holds {len(tokens)} {h['tokenizer']} tokens, meta.json says "
                                  f"{entry['tokens']} {self.meta['tokenizer']} tokens: re-run prepare_data.py")
             self.shards.append(tokens)
+            if "loss_mask" in entry:  # uint8 per token, 0 = not a target (--dataset=needle: filler of a retrieval doc)
+                self.masks.append(np.load(os.path.join(data_dir, entry["loss_mask"]), mmap_mode="r"))
         self.num_tokens = sum(len(s) for s in self.shards)
 
     def check_block_size(self, block_size):
@@ -323,7 +325,8 @@ class TokenShards:
                              f"prepare more {self.split} data (--val_frac sets the val share)")
 
     def _windows(self, batch_size, block_size, generator):
-        """int64 numpy (B, T + 1): batch_size random windows of block_size + 1 tokens, each inside one shard."""
+        """int64 numpy (B, T + 1): batch_size random windows of block_size + 1 tokens, each inside one shard, and
+        their loss masks, bool (B, T + 1) (all True without a mask file)."""
         if batch_size < 1 or block_size < 1:
             raise ValueError(f"batch_size and block_size must be >= 1, got {batch_size}, {block_size}")
         if not isinstance(generator, torch.Generator):
@@ -337,12 +340,16 @@ class TokenShards:
         ix = torch.randint(int(starts[-1]), (batch_size,), generator=generator).numpy()  # (B,)
         shard = np.searchsorted(starts, ix, side="right")  # (B,)
         offset = (ix - np.concatenate([[0], starts])[shard]) * row  # (B,)
-        return np.stack([self.shards[s][o:o + block_size + 1] for s, o in zip(shard, offset)]).astype(np.int64)
+        buf = np.stack([self.shards[s][o:o + block_size + 1] for s, o in zip(shard, offset)]).astype(np.int64)
+        if not self.masks:
+            return buf, np.ones(buf.shape, dtype=bool)
+        return buf, np.stack([self.masks[s][o:o + block_size + 1] for s, o in zip(shard, offset)]).astype(bool)
 
     def random_batch(self, batch_size, block_size, generator: torch.Generator):
-        """x, y int64 (batch_size, block_size) on the CPU: random windows x and the next tokens y (x shifted by one)."""
-        buf = self._windows(batch_size, block_size, generator)  # (B, T + 1)
-        x, y = np.ascontiguousarray(buf[:, :-1]), np.ascontiguousarray(buf[:, 1:])  # (B, T), (B, T)
+        """x, y int64 (batch_size, block_size) on the CPU: random windows x and the next tokens y (x shifted by one;
+        -1, left out of the loss, where the loss mask says so)."""
+        buf, keep = self._windows(batch_size, block_size, generator)  # (B, T + 1) each
+        x, y = np.ascontiguousarray(buf[:, :-1]), np.where(keep[:, 1:], buf[:, 1:], -1)  # (B, T), (B, T)
         return torch.from_numpy(x), torch.from_numpy(y)
 
     def doc_batch(self, batch_size, block_size, generator: torch.Generator):
@@ -353,8 +360,8 @@ class TokenShards:
         if batch_size * block_size >= 2**31:
             raise ValueError(f"batch_size * block_size must be < 2**31 for int32 cu_seqlens, "
                              f"got {batch_size * block_size}")
-        buf = self._windows(batch_size, block_size, generator)  # (B, T + 1)
-        x, y = np.ascontiguousarray(buf[:, :-1]), np.ascontiguousarray(buf[:, 1:])  # (B, T), (B, T)
+        buf, keep = self._windows(batch_size, block_size, generator)  # (B, T + 1) each
+        x, y = np.ascontiguousarray(buf[:, :-1]), np.where(keep[:, 1:], buf[:, 1:], -1)  # (B, T), (B, T)
         is_start = x == self.eot  # (B, T)
         is_start[:, 0] = True
         cu_seqlens = np.append(np.flatnonzero(is_start), x.size).astype(np.int32)  # (N + 1,)
@@ -707,6 +714,7 @@ needle_val_tokens = 1_000_000  # needle: val tokens, rounded up to whole rows
 needle_min_len = 256  # needle: shortest document in tokens; lengths are log-uniform up to a whole row
 needle_max_docs = 7  # needle: most documents in a row (bounds the sequences of a doc_batches batch: fewer shapes)
 needle_plain_frac = 0.1  # needle: fraction of documents that are plain filler text (no needle, no question)
+needle_loss = "answers"  # needle: targets of a retrieval document: 'answers' (its key's digits) | 'all' (every token)
 needle_multi_frac = 0.0  # needle: fraction of retrieval documents with 2..needle_max_count needles (distinct names)
 needle_max_count = 4  # needle: most needles in one document
 needle_seed = 1337  # needle: seed of the generator (filler offsets, lengths, depths, names, keys)
@@ -806,6 +814,12 @@ def _needle_rows(filler, n_rows, row_len, rng, min_len, max_docs, plain_frac, mu
         yield np.concatenate(docs), len(docs), marks
 
 
+def _save_npy(path, array):
+    buf = io.BytesIO()
+    np.save(buf, array)
+    atomic_write(path, lambda f: f.write(buf.getvalue()))
+
+
 def needle_answers(data_dir, split):
     """The answer marks of a --dataset=needle split: int64 (N, 4) rows of (shard index in meta's list, document
     start, key_pos, answer_pos), offsets in that shard's tokens; the answer is KEY_DIGITS tokens from answer_pos,
@@ -819,7 +833,7 @@ def needle_answers(data_dir, split):
 
 def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_dir="~/.cache/nanonsa", timeout=30.0,
                    force=False, block_size=8192, train_tokens=24_000_000, val_tokens=1_000_000, min_len=256,
-                   max_docs=7, plain_frac=0.1, multi_frac=0.0, max_count=4, seed=1337):
+                   max_docs=7, plain_frac=0.1, multi_frac=0.0, max_count=4, seed=1337, loss="answers"):
     """Write the needle dataset (byte tokens) to out_dir: rows of block_size + 1 tokens back to back in one shard per
     split, and meta "row_tokens", so that every training window of train.py at T = block_size is one whole row of
     whole documents; answers_<split>.npy with the
@@ -830,13 +844,15 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
         raise ValueError(f"needle_plain_frac and needle_multi_frac must be in [0, 1], needle_max_count, "
                          f"needle_max_docs and the token counts >= 1, got {plain_frac}, {multi_frac}, {max_count}, "
                          f"{max_docs}, {train_tokens}, {val_tokens}")
+    if loss not in ("answers", "all"):
+        raise ValueError(f"needle_loss must be 'answers' or 'all', got {loss!r}")
     if not needle_min_length() + KEY_DIGITS + 2 <= min_len <= row_len:
         raise ValueError(f"needle_min_len must be in [{needle_min_length() + KEY_DIGITS + 2}, needle_block_size + 1 = "
                          f"{row_len}], got {min_len}")
     out_dir = out_dir or default_data_dir("needle", "byte")
     config = dict(dataset="needle", tokenizer="byte", val_frac=val_frac, split_seed=split_seed, block_size=block_size,
                   train_tokens=train_tokens, val_tokens=val_tokens, min_len=min_len, max_docs=max_docs,
-                  plain_frac=plain_frac, multi_frac=multi_frac, max_count=max_count, seed=seed)
+                  plain_frac=plain_frac, multi_frac=multi_frac, max_count=max_count, seed=seed, loss=loss)
     val_plays = []
     if input:
         files = _input_files(input)
@@ -874,12 +890,17 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
             crc = write_shard(os.path.join(tmp_dir, name), np.concatenate([r[0] for r in rows]), "byte", 257, 256)
             marks = np.array([(0, r * row_len + m[0], r * row_len + m[1], r * row_len + m[2])
                               for r, row in enumerate(rows) for m in row[2]], dtype=np.int64).reshape(-1, 4)
-            buf = io.BytesIO()
-            np.save(buf, marks)
-            atomic_write(os.path.join(out_dir, f"answers_{split}.npy"), lambda f: f.write(buf.getvalue()))
+            _save_npy(os.path.join(out_dir, f"answers_{split}.npy"), marks)
+            shard = dict(file=name, tokens=len(rows) * row_len, crc32=crc)
+            if loss == "answers":  # a retrieval document's only targets are its key's digits; plain text keeps all
+                mask = np.ones(len(rows) * row_len, dtype=np.uint8)
+                for _, start, _, ans in marks.tolist():
+                    mask[start:ans + KEY_DIGITS + 2] = 0                       # EOT .. the answer's ".\n"
+                    mask[ans:ans + KEY_DIGITS] = 1
+                shard["loss_mask"] = f"loss_mask_{split}.npy"
+                _save_npy(os.path.join(out_dir, shard["loss_mask"]), mask)
             splits[split] = dict(documents=sum(r[1] for r in rows), rows=len(rows), tokens=len(rows) * row_len,
-                                 needles=len(marks), answers=f"answers_{split}.npy",
-                                 shards=[dict(file=name, tokens=len(rows) * row_len, crc32=crc)])
+                                 needles=len(marks), answers=f"answers_{split}.npy", shards=[shard])
         atomic_write(os.path.join(out_dir, "needle_filler_val.bin"), lambda f: f.write(filler["val"]))
         if val_plays:
             source += f"; val plays: {', '.join(val_plays)}"
@@ -907,7 +928,7 @@ if __name__ == "__main__":
             raise ValueError(f"--dataset=needle writes byte tokens (one token per digit), got --tokenizer={tokenizer}")
         prepare_needle(out_dir, input, val_frac, split_seed, cache_dir, timeout, force, needle_block_size,
                        needle_train_tokens, needle_val_tokens, needle_min_len, needle_max_docs, needle_plain_frac,
-                       needle_multi_frac, needle_max_count, needle_seed)
+                       needle_multi_frac, needle_max_count, needle_seed, needle_loss)
     else:
         prepare(dataset=dataset, tokenizer=tokenizer, out_dir=out_dir, input=input, text_field=text_field,
                 val_frac=val_frac, split_seed=split_seed, shard_size=shard_size, max_tokens=max_tokens,

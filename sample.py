@@ -371,14 +371,14 @@ def needle_val(model, data_dir, rows):
     meta, marks = load_meta(data_dir), needle_answers(data_dir, "val")
     dev, eot = model.lm_head.weight.device, meta["eot"]
     losses, hits = [], []
-    for shard in np.unique(marks[:, 0])[:rows]:
-        row = torch.from_numpy(open_shard(os.path.join(data_dir, meta["splits"]["val"]["shards"][shard]["file"]))
-                               .astype(np.int64))
+    shard, R = open_shard(os.path.join(data_dir, meta["splits"]["val"]["shards"][0]["file"])), meta["row_tokens"]
+    for r in np.unique(marks[:, 1] // R)[:rows]:
+        row = torch.from_numpy(shard[r * R:(r + 1) * R].astype(np.int64))     # (R,) one training row
         x = row[:-1]                                                           # (T,)
         starts = torch.nonzero((x == eot) | (torch.arange(len(x)) == 0))[:, 0]
         cu = torch.cat([starts, torch.tensor([len(x)])]).to(torch.int32)       # (N + 1,) a sequence per document
         logits = model(x[None].to(dev), cu_seqlens=cu.to(dev))[0][0].float()  # (T, vocab)
-        for ans in marks[marks[:, 0] == shard, 3]:
+        for ans in marks[marks[:, 1] // R == r, 3] - r * R:
             at = torch.arange(ans - 1, ans - 1 + KEY_DIGITS)                   # positions whose next token is a digit
             losses.append(F.cross_entropy(logits[at.to(dev)], row[at + 1].to(dev), reduction="none").cpu())
             hits.append(logits[at.to(dev)].argmax(-1).cpu() == row[at + 1])

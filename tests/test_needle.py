@@ -177,6 +177,24 @@ def test_cuda_graph_decode_equals_greedy_forward(needle_dir, monkeypatch):
 def test_training_windows_are_whole_rows(needle_dir):
     data = pd.TokenShards(needle_dir, "train")
     x, y = data.random_batch(16, 256, torch.Generator().manual_seed(0))
-    assert (x[:, 0] == 256).all() and torch.equal(x[:, 1:], y[:, :-1])        # every window starts a row (EOT)
+    assert (x[:, 0] == 256).all()                                              # every window starts a row (EOT)
+    assert torch.equal(x[:, 1:][y[:, :-1] >= 0], y[:, :-1][y[:, :-1] >= 0])    # y is x shifted (where not masked)
     with pytest.raises(ValueError, match="block_size=256"):
         data.random_batch(2, 128, torch.Generator())
+
+
+def test_loss_mask_keeps_answers_and_plain_text(needle_dir):
+    """needle_loss='answers': a retrieval document's only targets are its key's digits; plain documents keep all."""
+    data, R = pd.TokenShards(needle_dir, "train"), 257
+    marks = pd.needle_answers(needle_dir, "train")
+    x, y = data.random_batch(64, 256, torch.Generator().manual_seed(1))
+    kept = y >= 0
+    assert kept.any() and not kept.all()
+    assert torch.equal(y[kept], torch.cat([x[:, 1:], y[:, -1:]], 1)[kept])    # a kept target is the next token
+    shard = torch.from_numpy(pd.open_shard(os.path.join(needle_dir, "train_0000.bin")).astype(np.int64))
+    rows = shard.view(-1, R)                                                   # (rows, R)
+    r0 = int(torch.nonzero((rows[:, :256] == x[0]).all(1))[0])                 # the row of window 0
+    counted = set((torch.nonzero(kept[0])[:, 0] + 1 + r0 * R).tolist())       # token offsets that are targets
+    for _, start, _, ans in marks[(marks[:, 1] >= r0 * R) & (marks[:, 1] < (r0 + 1) * R)].tolist():
+        inside = set(range(start, ans + pd.KEY_DIGITS + 2)) & counted
+        assert inside == set(range(ans, ans + pd.KEY_DIGITS)) - {(r0 + 1) * R}
