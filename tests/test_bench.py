@@ -32,7 +32,7 @@ def test_decode_mode(tmp_path):
     assert "decode check" in text and "(ok)" in text
     impls = {r["impl"] for r in rows}
     assert {"nsa decode (triton)", "nsa decode (torch ref)", "nsa layer decode", "dense layer decode"} <= impls
-    # reads column: SPEC.md's formula at S = 256 for the CPU shapes (l=16, d=8, l'=16, n=4, w=512)
+    # reads column: the "Decode reads" formula of nsa_attention.py at S = 256 for the CPU shapes (l=16, d=8, l'=16, n=4, w=512)
     assert next(r for r in rows if r["impl"] == "nsa decode (triton)")["reads"] == str(31 + 64 + 256)
 
 
