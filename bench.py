@@ -34,7 +34,10 @@ n_local = 2  # forced local blocks
 window = 512  # sliding window (w)
 dtype = "bfloat16"  # float16 | bfloat16
 seqlens = (8192, 16384, 32768, 65536)  # selection mode: T values
-indices = "select"  # selection mode: select = select_blocks on random q, k_cmp | random = uniform duplicate-free ids
+indices = "select"  # selection mode: select (select_blocks on random q, k_cmp) | random (uniform ids) | trained
+ckpt = ""  # indices=trained: out_dir of a trained NSA model (ckpt.pt, or model.safetensors + config.json)
+text = ""  # indices=trained: a prepared data dir (prepare_data.py) whose val split the model reads
+layer = 0  # indices=trained: the model layer whose selections (and q, k, v) the bench takes
 reference = 8192  # selection mode: also time the PyTorch reference at T up to this (0 = never)
 layer_seqlens = (4096, 8192, 16384, 32768, 65536, 131072)  # layer mode: T values
 layer_hq = (64, 16)  # layer mode: query heads to run with H kv heads (16 -> G = 4)
@@ -194,19 +197,88 @@ def make_indices(T, q):
         with torch.no_grad():
             return nsa_attention.select_blocks(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select)
     t = torch.arange(T, device=device)
-    j = (torch.rand(B, T, H, n_select, device=device) * (t // sel_block + 1)[None, :, None, None]).long().sort(-1).values
+    j = torch.rand(B, T, H, n_select, device=device) * (t // sel_block + 1)[None, :, None, None]
+    j = j.long().sort(-1).values                                               # (B, T, H, n) visible ids, ascending
     dup = torch.zeros_like(j, dtype=torch.bool)
     dup[..., 1:] = j[..., 1:] == j[..., :-1]
     j = torch.where(dup, 1 << 40, j).sort(-1).values
     return torch.where(j == 1 << 40, -1, j).to(torch.int32)
 
 
-def selection_inputs(T):
-    """q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv) random, and the block indices (B, T, H, n)."""
-    q = torch.randn(B, T, HQ, D, device=device, dtype=dt)
-    k = torch.randn(B, T, H, D, device=device, dtype=dt)
-    v = torch.randn(B, T, H, Dv, device=device, dtype=dt)
+def selection_inputs(T, trained=None):
+    """q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv) and block indices (B, T, H, n): random inputs with
+    make_indices, or a trained model's (trained = load_trained())."""
+    if trained:
+        return trained_inputs(T, *trained)
+    q, k, v = random_qkv(T)
     return q, k, v, make_indices(T, q)
+
+
+def random_qkv(T):
+    return (torch.randn(B, T, HQ, D, device=device, dtype=dt), torch.randn(B, T, H, D, device=device, dtype=dt),
+            torch.randn(B, T, H, Dv, device=device, dtype=dt))
+
+
+def load_trained():
+    """The GPT of --ckpt (eval, on the device) and the val split of --text, checked against the bench's shape."""
+    argv, sys.argv = sys.argv, sys.argv[:1]  # sample.py applies its own --key=value overrides when imported
+    try:
+        import sample
+    finally:
+        sys.argv = argv
+    from prepare_data import TokenShards
+    try:
+        model, _ = sample.load_model(ckpt, backend="auto")
+    except ValueError as e:
+        sys.exit(f"error: --ckpt={ckpt}: {e}")
+    try:
+        val = TokenShards(text, "val")
+    except ValueError as e:
+        sys.exit(f"error: --text={text}: {e}")
+    c = model.config
+    if c.attn != "nsa" or (c.sel_block, c.n_select) != (sel_block, n_select):
+        sys.exit(f"error: --ckpt={ckpt} holds a {c.attn} model with l'={c.sel_block}, n={c.n_select}; the bench "
+                 f"needs an NSA model with its own l'={sel_block}, n={n_select} (set --sel_block, --n_select)")
+    if not 0 <= layer < c.n_layer:
+        sys.exit(f"error: --layer must be in [0, {c.n_layer}) for --ckpt={ckpt}, got {layer}")
+    if val.vocab_size > c.vocab_size:
+        sys.exit(f"error: --text={text} has {val.vocab_size} token ids, the model of --ckpt={ckpt} {c.vocab_size}")
+    Dm, Hm = c.n_embd // c.n_head, c.n_kv_head
+    print(f"trained indices: layer {layer} of {c.n_layer} of {ckpt} (HQ={c.n_head} H={Hm} D={Dm} block_size="
+          f"{c.block_size}) on the first B*T tokens of {text}'s val split; bench KV head h = the model's KV head "
+          f"h mod {Hm}; q, k, v {'from the model' if Dm == D == Dv else f'random (the model has D={Dm})'}"
+          + ("; T > block_size runs the model past its training length" if max(seqlens) > c.block_size else ""))
+    return model.to(device=device, dtype=dt if cuda else torch.float32), val
+
+
+def trained_inputs(T, model, val):
+    """selection_inputs from the model's layer --layer, run on the first B*T tokens of the val split as B rows of T.
+    The model's heads map onto the bench's: bench KV head h takes the model's KV head h mod H_m and bench query head
+    g of it the model's query head g mod G_m of that KV head (the indices follow their KV head). q, k, v are the
+    model's if its head dim is D = Dv, else random. T may exceed the model's block_size (RoPE has no length limit)."""
+    tokens = next((shard[:B * T] for shard in val.shards if len(shard) >= B * T), None)
+    if tokens is None:
+        sys.exit(f"error: --text={text}: no shard of its val split holds B*T = {B * T} tokens; use a smaller T")
+    x = torch.from_numpy(tokens.astype("int64")).view(B, T).to(device)        # (B, T)
+    seen, attend = [], nsa_attention.selection_attention
+
+    def record(q, k, v, block_indices, *args, **kwargs):  # the layer's call of selection_attention, kept
+        seen.append((q, k, v, block_indices))
+        return attend(q, k, v, block_indices, *args, **kwargs)
+
+    with torch.no_grad(), overridden(vars(nsa_attention), {"selection_attention": record}):
+        h = model.wte(x)                                                       # (B, T, C): GPT.forward up to --layer
+        for block in model.blocks[:layer + 1]:
+            h = block(h)
+    q_m, k_m, v_m, idx = seen[-1]                                              # (B, T, HQm, Dm), (B, T, Hm, Dm), ...
+    Hm, Gm = k_m.shape[2], q_m.shape[2] // k_m.shape[2]
+    kv = torch.arange(H, device=device) % Hm                                   # (H,) model KV head of each bench one
+    qh = (kv[:, None] * Gm + torch.arange(HQ // H, device=device) % Gm).flatten()  # (HQ,) model query head of each
+    if q_m.shape[-1] == D == Dv:
+        q, k, v = (x[:, :, heads].to(dt).contiguous() for x, heads in ((q_m, qh), (k_m, kv), (v_m, kv)))
+    else:
+        q, k, v = random_qkv(T)
+    return q, k, v, idx[:, :, kv].contiguous()
 
 
 def ours(q, k, v, idx):
@@ -217,30 +289,73 @@ def ref(q, k, v, idx):
     return nsa_attention.selection_attention(q, k, v, idx, sel_block, backend="torch")
 
 
-def selection_check(T):
-    q, k, v, idx = selection_inputs(T)
-    f_ours, fb_ours = fwd_bwd(ours, q, k, v, idx)
+def selection_paths():
+    """The selection kernel's paths as overrides of sel_kernel.CONFIG: query-centric tiles (each token loads its own
+    blocks), the same tiles with union=True (a block several tokens of a tile chose is loaded once for them), and
+    the key-centric path where the kernel has one."""
+    paths = {"query": {"fwd": {"union": False}, "dq": {"union": False}},
+             "query union": {"fwd": {"union": True}, "dq": {"union": True}}}
+    if "path" in sel_kernel.CONFIG:
+        paths = {name: {**changes, "path": "query"} for name, changes in paths.items()}
+        paths["key"] = {"path": "key"}
+    return paths
+
+
+def tile_tokens():
+    """BT: the tokens one program of the query-centric forward holds, CONFIG["fwd"]["rows"] query rows over the G
+    heads of a KV head (G rounded up to a power of 2), as sel_kernel.py tiles them."""
+    return max(1, sel_kernel.CONFIG["fwd"]["rows"] // triton.next_power_of_2(HQ // H))
+
+
+def locality(idx, tile):
+    """How much neighbouring tokens share their selected blocks, idx (B, T, H, n) int32 (-1 = none): the mean over
+    (token t, KV head) of the fraction of t's blocks that t + 1 also selects, and the mean number of distinct blocks
+    the tokens of a tile of `tile` consecutive ones select, over n (1 when they all select the same n, tile at most)."""
+    B, T, H, n = idx.shape
+    valid = idx >= 0                                                           # (B, T, H, n)
+    shared = ((idx[:, :-1, :, :, None] == idx[:, 1:, :, None, :]).any(-1) & valid[:, :-1]).sum(-1)  # (B, T-1, H)
+    count = valid[:, :-1].sum(-1)                                              # (B, T-1, H)
+    overlap = (shared / count.clamp_min(1))[count > 0].mean()
+    tiles = F.pad(idx, (0, 0, 0, 0, 0, -T % tile), value=-1).view(B, -1, tile, H, n)
+    ids = tiles.transpose(2, 3).flatten(3).sort(-1).values                     # (B, T / tile, H, tile * n)
+    distinct = (ids[..., :1] >= 0).sum(-1) + ((ids[..., 1:] != ids[..., :-1]) & (ids[..., 1:] >= 0)).sum(-1)
+    return overlap.item(), distinct.float().mean().item() / n
+
+
+def selection_check(T, paths, trained):
+    """Output and grads of each path vs the PyTorch reference in fp32 on the same rounded inputs."""
+    q, k, v, idx = selection_inputs(T, trained)
     f_ref, fb_ref = fwd_bwd(ref, q.float(), k.float(), v.float(), idx)
-    errs = [rel_rmse(a, b) for a, b in zip((f_ours(), *fb_ours()), (f_ref(), *fb_ref()))]
-    print(f"check T={T}: rel RMSE vs fp32 reference  o {errs[0]:.2e}  dq {errs[1]:.2e}  dk {errs[2]:.2e}  "
-          f"dv {errs[3]:.2e}  ({'ok' if max(errs) <= 1e-2 else 'FAIL'})")
+    expect = (f_ref(), *fb_ref())
+    for path, changes in paths.items():
+        with overridden(sel_kernel.CONFIG, changes):
+            f_ours, fb_ours = fwd_bwd(ours, q, k, v, idx)
+            errs = [rel_rmse(a, b) for a, b in zip((f_ours(), *fb_ours()), expect)]
+        print(f"check T={T} {path}: rel RMSE vs fp32 reference  o {errs[0]:.2e}  dq {errs[1]:.2e}  dk {errs[2]:.2e}  "
+              f"dv {errs[3]:.2e}  ({'ok' if max(errs) <= 1e-2 else 'FAIL'})")
 
 
 def run_selection():
+    paths, trained = selection_paths(), load_trained() if indices == "trained" else None
+    source = f"trained (layer {layer} of {ckpt} on {text})" if trained else indices
     if check:
-        selection_check(seqlens[0])
+        selection_check(seqlens[0], paths, trained)
     if sweep:
-        return selection_sweep()
+        return selection_sweep(trained, source)
     if cuda:
         matmul_tflops()
-    rows = []
+    rows, BT = [], tile_tokens()
 
     def add(T, impl, pass_, ms, flops, base=None):
         rows.append(dict(T=T, impl=impl, pass_=pass_, ms=ms, tflops=flops / ms / 1e9 if ms else float("nan"),
-                         speedup=(base / ms) if base else float("nan")))
+                         speedup=(base / ms) if base else float("nan"), indices=source, next_overlap=overlap,
+                         tile_blocks=tile_blocks))
 
     for T in seqlens:
-        q, k, v, idx = selection_inputs(T)
+        q, k, v, idx = selection_inputs(T, trained)
+        overlap, tile_blocks = locality(idx, BT)
+        print(f"locality T={T} indices={source}: token t+1 selects {overlap:.3f} of token t's blocks; a tile of "
+              f"BT={BT} tokens selects {tile_blocks:.2f} n distinct blocks (at most {BT} n)")
         sel_flops = 4 * B * T * HQ * (n_select * sel_block) * D  # every selected key counted
         dense_flops = 4 * B * T * T * HQ * D / 2  # causal
         base = {}
@@ -254,36 +369,37 @@ def run_selection():
                     print(f"T={T} dense {name}: skipped ({str(e).splitlines()[0][:80]})")
                 free_memory()
             base = {r["pass_"]: r["ms"] for r in rows if r["T"] == T and r["impl"] == "dense cudnn"}
-        impls = {"nsa selection (triton)": ours}
+        impls = {f"nsa selection ({path})": (ours, changes) for path, changes in paths.items()}
         if T <= reference:
-            impls["nsa selection (torch ref)"] = ref
-        for impl, fn in impls.items():
-            f, fb = fwd_bwd(fn, q, k, v, idx)
-            add(T, impl, "fwd", bench(f), sel_flops, base.get("fwd"))
-            add(T, impl, "fwd+bwd", bench(fb), 3.5 * sel_flops, base.get("fwd+bwd"))
+            impls["nsa selection (torch ref)"] = (ref, {})
+        for impl, (fn, changes) in impls.items():
+            with overridden(sel_kernel.CONFIG, changes):
+                f, fb = fwd_bwd(fn, q, k, v, idx)
+                add(T, impl, "fwd", bench(f), sel_flops, base.get("fwd"))
+                add(T, impl, "fwd+bwd", bench(fb), 3.5 * sel_flops, base.get("fwd+bwd"))
         del q, k, v, idx, f, fb
         free_memory()
 
-    print(f"\nB={B} HQ={HQ} H={H} D={D} Dv={Dv} n={n_select} l'={sel_block} {dtype} indices={indices}; "
+    print(f"\nB={B} HQ={HQ} H={H} D={D} Dv={Dv} n={n_select} l'={sel_block} {dtype} indices={source}; "
           f"speedup = dense cuDNN ms / ms; selection TFLOP/s count 4*T*HQ*n*l'*D (x3.5 fwd+bwd)")
-    print(f"{'T':>7} {'impl':<28} {'pass':<8} {'ms':>10} {'TFLOP/s':>8} {'speedup':>8}")
+    print(f"{'T':>7} {'impl':<32} {'pass':<8} {'ms':>10} {'TFLOP/s':>8} {'speedup':>8}")
     for r in rows:
-        print(f"{r['T']:>7} {r['impl']:<28} {r['pass_']:<8} {r['ms']:>10.3f} {r['tflops']:>8.1f} {r['speedup']:>8.2f}")
+        print(f"{r['T']:>7} {r['impl']:<32} {r['pass_']:<8} {r['ms']:>10.3f} {r['tflops']:>8.1f} {r['speedup']:>8.2f}")
     write_csv(list(rows[0]), [list(r.values()) for r in rows])
     if profile:
-        q, k, v, idx = selection_inputs(max(seqlens))
+        q, k, v, idx = selection_inputs(max(seqlens), trained)
         profile_table(fwd_bwd(ours, q, k, v, idx)[1])
 
 
-def selection_sweep():
+def selection_sweep(trained, source):
     """Launch configs of sel_kernel.py's kernels at the largest T: each variant of one kernel, others at default."""
     T = max(seqlens)
-    f, fb = fwd_bwd(ours, *selection_inputs(T))
+    f, fb = fwd_bwd(ours, *selection_inputs(T, trained))
     grid = {"fwd": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
             "dq": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
             "dkv": [dict(rows=r, num_warps=w, num_stages=s) for r, w, s in ((64, 4, 2), (64, 4, 3), (128, 8, 2))]}
     ops = {"fwd": [("fwd", f)], "dq": [("fwd+bwd", fb)], "dkv": [("fwd+bwd", fb)]}
-    sweep_configs(f"selection sweep T={T} HQ={HQ} H={H} indices={indices}: ms under each config of one kernel",
+    sweep_configs(f"selection sweep T={T} HQ={HQ} H={H} indices={source}: ms under each config of one kernel",
                   sel_kernel.CONFIG, grid, ops)
 
 
@@ -593,8 +709,11 @@ def main():
         sys.exit(f"error: --mode must be one of {', '.join(modes)}, got {mode!r}")
     if dtype not in ("float16", "bfloat16"):
         sys.exit(f"error: --dtype must be float16 or bfloat16, got {dtype!r}")
-    if indices not in ("select", "random"):
-        sys.exit(f"error: --indices must be select or random, got {indices!r}")
+    if indices not in ("select", "random", "trained"):
+        sys.exit(f"error: --indices must be select, random or trained, got {indices!r}")
+    if indices == "trained" and (mode != "selection" or not (ckpt and text)):
+        sys.exit("error: --indices=trained is for --mode=selection and needs --ckpt=<out_dir of a trained model> "
+                 "and --text=<prepared data dir>")
     torch.manual_seed(seed)
     print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu (Triton interpreter)'}; torch {torch.__version__}, "
           f"triton {triton.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
