@@ -51,7 +51,7 @@ warmup_ms = 25  # triton.testing.do_bench warmup (ms)
 rep_ms = 100  # triton.testing.do_bench repetitions (ms)
 csv = ""  # write the table here too
 seed = 1337
-exec(open("configurator.py").read())  # overrides from command line or config file
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())  # config files, --key=value
 # -----------------------------------------------------------------------------
 
 import torch.nn.functional as F  # noqa: E402
@@ -152,8 +152,17 @@ def matmul_tflops():
     n = 8192 if cuda else 256
     a, b = (torch.randn(n, n, device=device, dtype=dt) for _ in range(2))
     tflops = 2 * n ** 3 / bench(lambda: a @ b) / 1e9
-    print(f"matmul {n}^3 {dtype}: {tflops:.0f} TFLOP/s")
+    print(f"matmul {n}^3 {dtype}: {tflops:.3g} TFLOP/s")
     return tflops
+
+
+def copy_gbps():
+    """This device's copy bandwidth (GB/s, bytes read + written), measured on one large tensor copy in this run."""
+    x = torch.empty(2 ** 30 if cuda else 2 ** 22, device=device, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    gbps = 2 * x.numel() / bench(lambda: y.copy_(x)) / 1e6
+    print(f"copy {x.numel() >> 20} MiB: {gbps:.3g} GB/s")
+    return gbps
 
 
 # -----------------------------------------------------------------------------
@@ -243,6 +252,9 @@ def load_trained():
         sys.exit(f"error: --layer must be in [0, {c.n_layer}) for --ckpt={ckpt}, got {layer}")
     if val.vocab_size > c.vocab_size:
         sys.exit(f"error: --text={text} has {val.vocab_size} token ids, the model of --ckpt={ckpt} {c.vocab_size}")
+    if max(len(shard) for shard in val.shards) < B * max(seqlens):
+        sys.exit(f"error: --text={text}: no shard of its val split holds B*T = {B * max(seqlens)} tokens; use a "
+                 f"smaller T or a larger data set")
     Dm, Hm = c.n_embd // c.n_head, c.n_kv_head
     print(f"trained indices: layer {layer} of {c.n_layer} of {ckpt} (HQ={c.n_head} H={Hm} D={Dm} block_size="
           f"{c.block_size}) on the first B*T tokens of {text}'s val split; bench KV head h = the model's KV head "
@@ -256,9 +268,7 @@ def trained_inputs(T, model, val):
     The model's heads map onto the bench's: bench KV head h takes the model's KV head h mod H_m and bench query head
     g of it the model's query head g mod G_m of that KV head (the indices follow their KV head). q, k, v are the
     model's if its head dim is D = Dv, else random. T may exceed the model's block_size (RoPE has no length limit)."""
-    tokens = next((shard[:B * T] for shard in val.shards if len(shard) >= B * T), None)
-    if tokens is None:
-        sys.exit(f"error: --text={text}: no shard of its val split holds B*T = {B * T} tokens; use a smaller T")
+    tokens = next(shard[:B * T] for shard in val.shards if len(shard) >= B * T)  # load_trained checked there is one
     x = torch.from_numpy(tokens.astype("int64")).view(B, T).to(device)        # (B, T)
     seen, attend = [], nsa_attention.selection_attention
 
@@ -471,53 +481,83 @@ def layer_check(hq):
           f"{max(errs[1:]):.2e} ({'ok' if max(errs) <= 2e-2 else 'FAIL'})")
 
 
+def layer_floors(T, hq, tflops, gbps):
+    """Floor ms of each part of the layer core, {part: {pass: ms}}. Attention: its FLOPs (QK and PV, 2 per
+    multiply-add, over the keys each query reads as nsa_attention.tokens_read_per_query counts them; the backward
+    2.5x the forward) at the measured matmul rate; block scores: QK alone (select_blocks has no backward); gate: its
+    bytes (forward: 3 branch outputs and the logits in, o out; backward: do, 3 outputs and the logits in, their
+    gradients out) at the measured copy bandwidth."""
+    def keys(l=T + 1, d=1, n=0, w=0):  # mean keys per query of one branch, the other two switched off
+        return nsa_attention.tokens_read_per_query(T, l, d, sel_block, n, w)
+
+    def attention(nk):
+        fwd = 2 * B * T * hq * nk * (D + Dv) / tflops / 1e9
+        return {"fwd": fwd, "fwd+bwd": 3.5 * fwd}
+
+    gate = B * T * hq * dt.itemsize / gbps / 1e6                               # ms per value per (token, head)
+    floors = {"dense cudnn": attention((T + 1) / 2),
+              "compressed": attention(keys(cmp_block, cmp_stride)),
+              "select_blocks": {"fwd": 2 * B * T * hq * keys(cmp_block, cmp_stride) * D / tflops / 1e9},
+              "selection": attention(keys(n=n_select)),
+              "window": attention(keys(w=window)),
+              "gate": {"fwd": (4 * Dv + 3) * gate, "fwd+bwd": (11 * Dv + 9) * gate}}
+    parts = [floors[name] for name in ("compressed", "select_blocks", "selection", "window", "gate")]
+    floors["NSA layer core"] = {p: sum(f.get(p, f["fwd"]) for f in parts) for p in ("fwd", "fwd+bwd")}
+    return floors
+
+
 def run_layer():
     if check:
         for hq in layer_hq:
             layer_check(hq)
     if sweep:
         return layer_sweep()
-    rows = []
+    tflops, gbps, rows = matmul_tflops(), copy_gbps(), []
     for hq in layer_hq:
         cmp, select, slc, win, gate, core = layer_parts("triton")
         for T in layer_seqlens:
-            xs = layer_inputs(T, hq)
-            q, kc, vc, ks, vs, kw, vw, gl = xs
-            dense_ms = {}
-            if dense:
-                df, dfb = fwd_bwd(sdpa_backends()["cudnn"], *dense_inputs(q, ks, vs))
-                dense_ms = {"fwd": bench(df), "fwd+bwd": bench(dfb)}
-                mem = peak_extra_gib(dfb)
-                for p, ms in dense_ms.items():
-                    rows.append((T, hq, "dense cudnn", p, ms, 1.0, mem if p == "fwd+bwd" else float("nan")))
-                del df, dfb
-                free_memory()
-            with torch.no_grad():
-                o_cmp, lse = cmp(q, kc, vc)
-                idx = select(q, kc, lse)
-            parts = {"compressed": fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc),
-                     "select_blocks": (lambda: select(q, kc, lse), None),
-                     "selection": fwd_bwd(slc, q, ks, vs, idx),
-                     "window": fwd_bwd(win, q, kw, vw),
-                     "gate": fwd_bwd(gate, gl, o_cmp, o_cmp, o_cmp),
-                     "NSA layer core": fwd_bwd(core, *xs)}
-            for name, (f, fb) in parts.items():
+            floors, dense_ms = layer_floors(T, hq, tflops, gbps), {}
+
+            def time_part(name, f, fb):
                 for p, fn in (("fwd", f), ("fwd+bwd", fb)):
                     if fn is None:
                         continue
                     ms = bench(fn)
-                    mem = peak_extra_gib(fn) if name == "NSA layer core" and p == "fwd+bwd" else float("nan")
-                    base = dense_ms.get(p)
-                    rows.append((T, hq, name, p, ms, base / ms if base else float("nan"), mem))
-            del xs, q, kc, vc, ks, vs, kw, vw, gl, parts, o_cmp, lse, idx
+                    dense_ms.update({p: ms} if name == "dense cudnn" else {})
+                    mem = peak_extra_gib(fn) if p == "fwd+bwd" and name in ("dense cudnn", "NSA layer core") \
+                        else float("nan")
+                    share = floors[name][p] / floors["NSA layer core"][p] if name != "dense cudnn" else float("nan")
+                    rows.append((T, hq, name, p, ms, dense_ms.get(p, float("nan")) / ms, mem, floors[name][p], share,
+                                 ms / floors[name][p]))
+
+            xs = layer_inputs(T, hq)
+            q, kc, vc, ks, vs, kw, vw, gl = xs
+            if dense:  # first, and its (B, HQ, T, D) copies of k and v freed before the rest
+                time_part("dense cudnn", *fwd_bwd(sdpa_backends()["cudnn"], *dense_inputs(q, ks, vs)))
+                free_memory()
+            with torch.no_grad():
+                o_cmp, lse = cmp(q, kc, vc)
+                idx = select(q, kc, lse)
+            time_part("compressed", *fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc))
+            time_part("select_blocks", lambda: select(q, kc, lse), None)
+            time_part("selection", *fwd_bwd(slc, q, ks, vs, idx))
+            time_part("window", *fwd_bwd(win, q, kw, vw))
+            time_part("gate", *fwd_bwd(gate, gl, o_cmp, o_cmp, o_cmp))
+            time_part("NSA layer core", *fwd_bwd(core, *xs))
+            del xs, q, kc, vc, ks, vs, kw, vw, gl, o_cmp, lse, idx
             free_memory()
     print(f"\nlayer core: B={B} H={H} D={D} Dv={Dv} l={cmp_block} d={cmp_stride} l'={sel_block} n={n_select} "
           f"w={window} {dtype}; indices: select_blocks on the random q, k_cmp; speedup = dense cuDNN ms / ms (same T, "
           f"HQ); mem = peak extra GiB of fwd+bwd")
-    print(f"{'T':>7} {'HQ':>3} {'impl':<16} {'pass':<8} {'ms':>10} {'speedup':>8} {'mem GiB':>8}")
-    for T, hq, name, p, ms, sp, mem in rows:
-        print(f"{T:>7} {hq:>3} {name:<16} {p:<8} {ms:>10.3f} {sp:>8.2f} {mem:>8.2f}")
-    write_csv(("T", "HQ", "impl", "pass", "ms", "speedup", "peak_extra_gib"), rows)
+    print(f"floor = FLOPs at {tflops:.3g} TFLOP/s, the gate's bytes at {gbps:.3g} GB/s (both measured above; "
+          f"layer_floors says what is counted); share = the part's floor / the layer core's; x floor = ms / floor")
+    print(f"{'T':>7} {'HQ':>3} {'impl':<16} {'pass':<8} {'ms':>10} {'speedup':>8} {'mem GiB':>8} {'floor ms':>9} "
+          f"{'share':>6} {'x floor':>8}")
+    for T, hq, name, p, ms, sp, mem, floor, share, dist in rows:
+        print(f"{T:>7} {hq:>3} {name:<16} {p:<8} {ms:>10.3f} {sp:>8.2f} {mem:>8.2f} {floor:>9.3f} {share:>6.2f} "
+              f"{dist:>8.1f}")
+    write_csv(("T", "HQ", "impl", "pass", "ms", "speedup", "peak_extra_gib", "floor_ms", "floor_share", "x_floor"),
+              rows)
 
 
 def layer_sweep():
