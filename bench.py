@@ -46,12 +46,12 @@ decode_batches = (1, 8)  # decode mode: batch sizes
 dense = True  # dense causal attention baselines
 check = True  # compare our output and grads with an fp32 reference at a small T first
 sweep = False  # instead of the table, time launch configs of the mode's kernels at the largest T (selection, layer)
-profile = False  # per-kernel CUDA time of one forward+backward at the largest T (decode mode: of one step)
+profile = False  # per-kernel CUDA time: selection mode of one forward+backward at the largest T, decode of one step
 warmup_ms = 25  # triton.testing.do_bench warmup (ms)
 rep_ms = 100  # triton.testing.do_bench repetitions (ms)
 csv = ""  # write the table here too
 seed = 1337
-exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())  # config files, --key=value
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())  # overrides
 # -----------------------------------------------------------------------------
 
 import torch.nn.functional as F  # noqa: E402
@@ -64,7 +64,7 @@ import sel_kernel  # noqa: E402
 B, HQ, H, D, Dv = batch_size, n_head, n_kv_head, head_dim, v_head_dim
 cuda = torch.cuda.is_available()
 device = "cuda" if cuda else "cpu"
-if not cuda:  # CPU smoke test: tiny shapes, the interpreter runs ~1e5 times slower; bf16 dots are wrong there
+if not cuda:  # CPU smoke test: tiny shapes for the slow interpreter, fp16 as bf16 dots are wrong there
     dtype, seqlens = "float16", tuple(t for t in seqlens if t <= 256) or (64,)
     layer_seqlens, layer_hq, decode_seqlens, decode_batches = (128,), (4,), (256,), (2,)
     HQ, H, D, Dv, n_select, sel_block, cmp_block, cmp_stride = 4, 2, 32, 32, 4, 16, 16, 8
@@ -111,8 +111,9 @@ def free_memory():
 
 @contextlib.contextmanager
 def overridden(table, changes):
-    """table (a dict: a kernel file's CONFIG) with changes inside the block, restored afterwards, also on error.
-    A dict value is merged into the entry it replaces: {"fwd": {"union": True}} keeps fwd's other settings."""
+    """table (a dict: a kernel file's CONFIG, a module's vars()) with changes inside the block, restored afterwards,
+    also on error. A dict value is merged into the entry it replaces: {"fwd": {"union": True}} keeps fwd's other
+    settings. Only existing keys can be changed (a typo is a KeyError)."""
     saved = {key: table[key] for key in changes}
     table.update({key: {**saved[key], **val} if isinstance(val, dict) else val for key, val in changes.items()})
     try:
@@ -285,7 +286,7 @@ def trained_inputs(T, model, val):
     kv = torch.arange(H, device=device) % Hm                                   # (H,) model KV head of each bench one
     qh = (kv[:, None] * Gm + torch.arange(HQ // H, device=device) % Gm).flatten()  # (HQ,) model query head of each
     if q_m.shape[-1] == D == Dv:
-        q, k, v = (x[:, :, heads].to(dt).contiguous() for x, heads in ((q_m, qh), (k_m, kv), (v_m, kv)))
+        q, k, v = (t[:, :, heads].to(dt).contiguous() for t, heads in ((q_m, qh), (k_m, kv), (v_m, kv)))
     else:
         q, k, v = random_qkv(T)
     return q, k, v, idx[:, :, kv].contiguous()
