@@ -1,10 +1,12 @@
 """Benchmarks of nanoNSA's kernels on one GPU, in three modes; each first checks its kernels against the fp32 reference.
-  selection: the selected-block attention of sel_kernel.py alone, against dense causal attention (every SDPA backend,
-             flash-attn if importable) and the PyTorch reference of nsa_attention.py;
+  selection: the selected-block attention of sel_kernel.py alone, each of its paths, against dense causal attention
+             (every SDPA backend, flash-attn if importable) and the PyTorch reference of nsa_attention.py;
   layer:     the whole NSA layer core (compressed, select_blocks, selection, window, gate) and each part, against dense
-             causal cuDNN attention;
+             causal cuDNN attention and against each part's floor (its FLOPs or bytes at rates measured in the run);
   decode:    one decode step over a filled cache, the attention alone and the whole layer, against dense SDPA.
-`python bench.py --mode=layer --csv=out.csv`; without CUDA each mode runs a tiny smoke test in the Triton interpreter.
+Selections come from random inputs or (--indices=trained) from a trained model run on real text; the selection and
+layer modes print how local they are. `python bench.py --mode=layer --csv=out.csv`; without CUDA each mode runs a
+tiny smoke test in the Triton interpreter.
 """
 import contextlib
 import csv as csv_lib
@@ -34,10 +36,10 @@ n_local = 2  # forced local blocks
 window = 512  # sliding window (w)
 dtype = "bfloat16"  # float16 | bfloat16
 seqlens = (8192, 16384, 32768, 65536)  # selection mode: T values
-indices = "select"  # selection mode: select (select_blocks on random q, k_cmp) | random (uniform ids) | trained
-ckpt = ""  # indices=trained: out_dir of a trained NSA model (ckpt.pt, or model.safetensors + config.json)
+indices = "select"  # select: select_blocks on random q, k_cmp | random: uniform ids (selection mode) | trained
+ckpt = ""  # indices=trained (selection, layer modes): out_dir of an NSA model (ckpt.pt, or safetensors + config.json)
 text = ""  # indices=trained: a prepared data dir (prepare_data.py) whose val split the model reads
-layer = 0  # indices=trained: the model layer whose selections (and q, k, v) the bench takes
+layer = 0  # indices=trained: the model layer whose q, k, v and selections the bench takes
 reference = 8192  # selection mode: also time the PyTorch reference at T up to this (0 = never)
 layer_seqlens = (4096, 8192, 16384, 32768, 65536, 131072)  # layer mode: T values
 layer_hq = (64, 16)  # layer mode: query heads to run with H kv heads (16 -> G = 4)
@@ -196,6 +198,106 @@ def dense_inputs(q, k, v):
 
 
 # -----------------------------------------------------------------------------
+# a trained model's inputs (selection and layer modes, --indices=trained): the model runs on the first B*T tokens of
+# the val split of --text as B rows of T (T may exceed its block_size: RoPE has no length limit, but the model never
+# trained there), and its layer --layer's branch inputs are kept. Heads map onto the bench's: bench KV head h takes
+# the model's KV head h mod H_m, and query head g of bench KV head h the model's query head g mod G_m of that KV head.
+
+def load_trained():
+    """The GPT of --ckpt (eval, on the device) and the val split of --text, checked against the bench's shape."""
+    argv, sys.argv = sys.argv, sys.argv[:1]  # sample.py applies its own --key=value overrides when imported
+    try:
+        import sample
+    finally:
+        sys.argv = argv
+    from prepare_data import TokenShards
+    try:
+        model, _ = sample.load_model(ckpt, backend="auto")
+    except ValueError as e:
+        sys.exit(f"error: --ckpt={ckpt}: {e}")
+    try:
+        val = TokenShards(text, "val")
+    except ValueError as e:
+        sys.exit(f"error: --text={text}: {e}")
+    c = model.config
+    Dm, T_max = c.n_embd // c.n_head, max(seqlens if mode == "selection" else layer_seqlens)
+    need = dict(sel_block=sel_block, n_select=n_select)  # what the selections depend on, and in layer mode (the
+    if mode == "layer":                                   # core selects from the model's q, k_cmp) what it computes
+        need.update(cmp_block=cmp_block, cmp_stride=cmp_stride, n_init=n_init, n_local=n_local, window=window,
+                    head_dim=D, v_head_dim=Dv)
+    has = {**vars(c), "head_dim": Dm, "v_head_dim": Dm}
+    if c.attn != "nsa" or any(has[k] != v for k, v in need.items()):
+        sys.exit(f"error: --ckpt={ckpt} holds a {c.attn} model with " + " ".join(f"{k}={has[k]}" for k in need)
+                 + "; the bench needs an NSA model with its own " + " ".join(f"{k}={v}" for k, v in need.items())
+                 + " (set the bench's with --key=value)")
+    if not 0 <= layer < c.n_layer:
+        sys.exit(f"error: --layer must be in [0, {c.n_layer}) for --ckpt={ckpt}, got {layer}")
+    if val.vocab_size > c.vocab_size:
+        sys.exit(f"error: --text={text} has {val.vocab_size} token ids, the model of --ckpt={ckpt} {c.vocab_size}")
+    if max(len(shard) for shard in val.shards) < B * T_max:
+        sys.exit(f"error: --text={text}: no shard of its val split holds B*T = {B * T_max} tokens; use a smaller T "
+                 f"or a larger data set")
+    print(f"trained inputs: layer {layer} of {c.n_layer} of {ckpt} (HQ={c.n_head} H={c.n_kv_head} D={Dm} "
+          f"block_size={c.block_size}) on the first B*T tokens of {text}'s val split; bench KV head h = the model's "
+          f"KV head h mod {c.n_kv_head}; q, k, v {'from the model' if Dm == D == Dv else 'random (head dims differ)'}"
+          + ("; T > block_size runs the model past its training length" if T_max > c.block_size else ""))
+    return model.to(device=device, dtype=dt if cuda else torch.float32), val
+
+
+def model_branch_inputs(T, model, val):
+    """{op: its tensor arguments} for the branch ops (compressed_attention, selection_attention, window_attention)
+    as layer --layer of the model calls them on the first B*T tokens of the val split."""
+    tokens = next(shard[:B * T] for shard in val.shards if len(shard) >= B * T)  # load_trained checked there is one
+    x = torch.from_numpy(tokens.astype("int64")).view(B, T).to(device)        # (B, T)
+    seen = {}
+
+    def recording(name):
+        op = getattr(nsa_attention, name)
+
+        def record(*args, **kwargs):
+            seen[name] = [a for a in args if torch.is_tensor(a)]
+            return op(*args, **kwargs)
+        return record
+
+    ops = ("compressed_attention", "selection_attention", "window_attention")
+    with torch.no_grad(), overridden(vars(nsa_attention), {name: recording(name) for name in ops}):
+        h = model.wte(x)                                                       # (B, T, C): GPT.forward up to --layer
+        for block in model.blocks[:layer + 1]:
+            h = block(h)
+    return seen
+
+
+def bench_heads(x, Hm, hq=0):
+    """x (B, T, heads, .) of the model, with H_m KV heads: its KV heads as the bench's H, or (hq > 0) its query heads
+    as the bench's hq."""
+    heads = torch.arange(H, device=x.device) % Hm                              # (H,) model KV head of each bench one
+    if hq:
+        Gm = x.shape[2] // Hm
+        heads = (heads[:, None] * Gm + torch.arange(hq // H, device=x.device) % Gm).flatten()  # (hq,) query heads
+    return x[:, :, heads].contiguous()
+
+
+def trained_selection_inputs(T, model, val):
+    """selection_inputs from the model: its indices, and its q, k, v where its head dim is D = Dv (else random)."""
+    q, k, v, idx = model_branch_inputs(T, model, val)["selection_attention"]
+    Hm = k.shape[2]
+    q, k, v = (bench_heads(q, Hm, HQ).to(dt), bench_heads(k, Hm).to(dt), bench_heads(v, Hm).to(dt)) \
+        if q.shape[-1] == D == Dv else random_qkv(T)
+    return q, k, v, bench_heads(idx, Hm)
+
+
+def trained_layer_inputs(T, hq, model, val):
+    """layer_inputs from the model: q and the K/V of its three branches (load_trained checked their shapes); the gate
+    logits stay random (they change no time)."""
+    seen = model_branch_inputs(T, model, val)
+    (q, kc, vc), (_, ks, vs, _), (_, kw, vw) = (seen[op] for op in ("compressed_attention", "selection_attention",
+                                                                     "window_attention"))
+    Hm = kc.shape[2]
+    return [bench_heads(q, Hm, hq).to(dt)] + [bench_heads(x, Hm).to(dt) for x in (kc, vc, ks, vs, kw, vw)] + \
+        [torch.randn(B, T, hq, 3, device=device, dtype=dt)]
+
+
+# -----------------------------------------------------------------------------
 # mode = "selection": sel_kernel.py's selected-block attention alone, correctness at the smallest T, then the table
 # (or the launch-config sweep) and an optional per-kernel profile at the largest T
 
@@ -219,7 +321,7 @@ def selection_inputs(T, trained=None):
     """q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv) and block indices (B, T, H, n): random inputs with
     make_indices, or a trained model's (trained = load_trained())."""
     if trained:
-        return trained_inputs(T, *trained)
+        return trained_selection_inputs(T, *trained)
     q, k, v = random_qkv(T)
     return q, k, v, make_indices(T, q)
 
@@ -227,69 +329,6 @@ def selection_inputs(T, trained=None):
 def random_qkv(T):
     return (torch.randn(B, T, HQ, D, device=device, dtype=dt), torch.randn(B, T, H, D, device=device, dtype=dt),
             torch.randn(B, T, H, Dv, device=device, dtype=dt))
-
-
-def load_trained():
-    """The GPT of --ckpt (eval, on the device) and the val split of --text, checked against the bench's shape."""
-    argv, sys.argv = sys.argv, sys.argv[:1]  # sample.py applies its own --key=value overrides when imported
-    try:
-        import sample
-    finally:
-        sys.argv = argv
-    from prepare_data import TokenShards
-    try:
-        model, _ = sample.load_model(ckpt, backend="auto")
-    except ValueError as e:
-        sys.exit(f"error: --ckpt={ckpt}: {e}")
-    try:
-        val = TokenShards(text, "val")
-    except ValueError as e:
-        sys.exit(f"error: --text={text}: {e}")
-    c = model.config
-    if c.attn != "nsa" or (c.sel_block, c.n_select) != (sel_block, n_select):
-        sys.exit(f"error: --ckpt={ckpt} holds a {c.attn} model with l'={c.sel_block}, n={c.n_select}; the bench "
-                 f"needs an NSA model with its own l'={sel_block}, n={n_select} (set --sel_block, --n_select)")
-    if not 0 <= layer < c.n_layer:
-        sys.exit(f"error: --layer must be in [0, {c.n_layer}) for --ckpt={ckpt}, got {layer}")
-    if val.vocab_size > c.vocab_size:
-        sys.exit(f"error: --text={text} has {val.vocab_size} token ids, the model of --ckpt={ckpt} {c.vocab_size}")
-    if max(len(shard) for shard in val.shards) < B * max(seqlens):
-        sys.exit(f"error: --text={text}: no shard of its val split holds B*T = {B * max(seqlens)} tokens; use a "
-                 f"smaller T or a larger data set")
-    Dm, Hm = c.n_embd // c.n_head, c.n_kv_head
-    print(f"trained indices: layer {layer} of {c.n_layer} of {ckpt} (HQ={c.n_head} H={Hm} D={Dm} block_size="
-          f"{c.block_size}) on the first B*T tokens of {text}'s val split; bench KV head h = the model's KV head "
-          f"h mod {Hm}; q, k, v {'from the model' if Dm == D == Dv else f'random (the model has D={Dm})'}"
-          + ("; T > block_size runs the model past its training length" if max(seqlens) > c.block_size else ""))
-    return model.to(device=device, dtype=dt if cuda else torch.float32), val
-
-
-def trained_inputs(T, model, val):
-    """selection_inputs from the model's layer --layer, run on the first B*T tokens of the val split as B rows of T.
-    The model's heads map onto the bench's: bench KV head h takes the model's KV head h mod H_m and bench query head
-    g of it the model's query head g mod G_m of that KV head (the indices follow their KV head). q, k, v are the
-    model's if its head dim is D = Dv, else random. T may exceed the model's block_size (RoPE has no length limit)."""
-    tokens = next(shard[:B * T] for shard in val.shards if len(shard) >= B * T)  # load_trained checked there is one
-    x = torch.from_numpy(tokens.astype("int64")).view(B, T).to(device)        # (B, T)
-    seen, attend = [], nsa_attention.selection_attention
-
-    def record(q, k, v, block_indices, *args, **kwargs):  # the layer's call of selection_attention, kept
-        seen.append((q, k, v, block_indices))
-        return attend(q, k, v, block_indices, *args, **kwargs)
-
-    with torch.no_grad(), overridden(vars(nsa_attention), {"selection_attention": record}):
-        h = model.wte(x)                                                       # (B, T, C): GPT.forward up to --layer
-        for block in model.blocks[:layer + 1]:
-            h = block(h)
-    q_m, k_m, v_m, idx = seen[-1]                                              # (B, T, HQm, Dm), (B, T, Hm, Dm), ...
-    Hm, Gm = k_m.shape[2], q_m.shape[2] // k_m.shape[2]
-    kv = torch.arange(H, device=device) % Hm                                   # (H,) model KV head of each bench one
-    qh = (kv[:, None] * Gm + torch.arange(HQ // H, device=device) % Gm).flatten()  # (HQ,) model query head of each
-    if q_m.shape[-1] == D == Dv:
-        q, k, v = (t[:, :, heads].to(dt).contiguous() for t, heads in ((q_m, qh), (k_m, kv), (v_m, kv)))
-    else:
-        q, k, v = random_qkv(T)
-    return q, k, v, idx[:, :, kv].contiguous()
 
 
 def ours(q, k, v, idx):
@@ -312,10 +351,10 @@ def selection_paths():
     return paths
 
 
-def tile_tokens():
-    """BT: the tokens one program of the query-centric forward holds, CONFIG["fwd"]["rows"] query rows over the G
-    heads of a KV head (G rounded up to a power of 2), as sel_kernel.py tiles them."""
-    return max(1, sel_kernel.CONFIG["fwd"]["rows"] // triton.next_power_of_2(HQ // H))
+def tile_tokens(hq):
+    """BT: the tokens one program of the query-centric selection forward holds, CONFIG["fwd"]["rows"] query rows over
+    the G = hq / H heads of a KV head (G rounded up to a power of 2), as sel_kernel.py tiles them."""
+    return max(1, sel_kernel.CONFIG["fwd"]["rows"] // triton.next_power_of_2(hq // H))
 
 
 def locality(idx, tile):
@@ -355,7 +394,7 @@ def run_selection():
         return selection_sweep(trained, source)
     if cuda:
         matmul_tflops()
-    rows, BT = [], tile_tokens()
+    rows, BT = [], tile_tokens(HQ)
 
     def add(T, impl, pass_, ms, flops, base=None):
         rows.append(dict(T=T, impl=impl, pass_=pass_, ms=ms, tflops=flops / ms / 1e9 if ms else float("nan"),
@@ -451,8 +490,11 @@ def layer_parts(backend):
     return cmp, select, slc, win, gate, core
 
 
-def layer_inputs(T, hq):
-    """q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gate logits of the layer core, random."""
+def layer_inputs(T, hq, trained=None):
+    """q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gate logits of the layer core: random, or a trained model's
+    (trained = load_trained())."""
+    if trained:
+        return trained_layer_inputs(T, hq, *trained)
     Tc = nsa_attention.num_cmp_blocks(T, cmp_block, cmp_stride)
     shapes = ((B, T, hq, D), (B, Tc, H, D), (B, Tc, H, Dv), (B, T, H, D), (B, T, H, Dv), (B, T, H, D), (B, T, H, Dv),
               (B, T, hq, 3))
@@ -508,15 +550,26 @@ def layer_floors(T, hq, tflops, gbps):
 
 
 def run_layer():
+    trained = load_trained() if indices == "trained" else None
+    source = f"select_blocks on the q, k_cmp of layer {layer} of {ckpt} on {text}" if trained else \
+        "select_blocks on random q, k_cmp"
     if check:
         for hq in layer_hq:
             layer_check(hq)
     if sweep:
-        return layer_sweep()
+        return layer_sweep(trained)
     tflops, gbps, rows = matmul_tflops(), copy_gbps(), []
     for hq in layer_hq:
         cmp, select, slc, win, gate, core = layer_parts("triton")
         for T in layer_seqlens:
+            xs = layer_inputs(T, hq, trained)
+            q, kc, vc, ks, vs, kw, vw, gl = xs
+            with torch.no_grad():
+                o_cmp, lse = cmp(q, kc, vc)
+                idx = select(q, kc, lse)
+            overlap, tile_blocks = locality(idx, tile_tokens(hq))
+            print(f"locality T={T} HQ={hq}: token t+1 selects {overlap:.3f} of token t's blocks; a tile of "
+                  f"BT={tile_tokens(hq)} tokens selects {tile_blocks:.2f} n distinct blocks")
             floors, dense_ms = layer_floors(T, hq, tflops, gbps), {}
 
             def time_part(name, f, fb):
@@ -529,16 +582,11 @@ def run_layer():
                         else float("nan")
                     share = floors[name][p] / floors["NSA layer core"][p] if name != "dense cudnn" else float("nan")
                     rows.append((T, hq, name, p, ms, dense_ms.get(p, float("nan")) / ms, mem, floors[name][p], share,
-                                 ms / floors[name][p]))
+                                 ms / floors[name][p], source, overlap, tile_blocks))
 
-            xs = layer_inputs(T, hq)
-            q, kc, vc, ks, vs, kw, vw, gl = xs
             if dense:  # first, and its (B, HQ, T, D) copies of k and v freed before the rest
                 time_part("dense cudnn", *fwd_bwd(sdpa_backends()["cudnn"], *dense_inputs(q, ks, vs)))
                 free_memory()
-            with torch.no_grad():
-                o_cmp, lse = cmp(q, kc, vc)
-                idx = select(q, kc, lse)
             time_part("compressed", *fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc))
             time_part("select_blocks", lambda: select(q, kc, lse), None)
             time_part("selection", *fwd_bwd(slc, q, ks, vs, idx))
@@ -548,25 +596,25 @@ def run_layer():
             del xs, q, kc, vc, ks, vs, kw, vw, gl, o_cmp, lse, idx
             free_memory()
     print(f"\nlayer core: B={B} H={H} D={D} Dv={Dv} l={cmp_block} d={cmp_stride} l'={sel_block} n={n_select} "
-          f"w={window} {dtype}; indices: select_blocks on the random q, k_cmp; speedup = dense cuDNN ms / ms (same T, "
-          f"HQ); mem = peak extra GiB of fwd+bwd")
+          f"w={window} {dtype}; indices: {source}; speedup = dense cuDNN ms / ms (same T, HQ); mem = peak extra GiB of "
+          f"fwd+bwd")
     print(f"floor = FLOPs at {tflops:.3g} TFLOP/s, the gate's bytes at {gbps:.3g} GB/s (both measured above; "
           f"layer_floors says what is counted); share = the part's floor / the layer core's; x floor = ms / floor")
     print(f"{'T':>7} {'HQ':>3} {'impl':<16} {'pass':<8} {'ms':>10} {'speedup':>8} {'mem GiB':>8} {'floor ms':>9} "
           f"{'share':>6} {'x floor':>8}")
-    for T, hq, name, p, ms, sp, mem, floor, share, dist in rows:
+    for T, hq, name, p, ms, sp, mem, floor, share, dist, *_ in rows:
         print(f"{T:>7} {hq:>3} {name:<16} {p:<8} {ms:>10.3f} {sp:>8.2f} {mem:>8.2f} {floor:>9.3f} {share:>6.2f} "
               f"{dist:>8.1f}")
-    write_csv(("T", "HQ", "impl", "pass", "ms", "speedup", "peak_extra_gib", "floor_ms", "floor_share", "x_floor"),
-              rows)
+    write_csv(("T", "HQ", "impl", "pass", "ms", "speedup", "peak_extra_gib", "floor_ms", "floor_share", "x_floor",
+               "indices", "next_overlap", "tile_blocks"), rows)
 
 
-def layer_sweep():
+def layer_sweep(trained):
     """Launch configs of nsa_kernels.py's kernels at the largest T (first HQ): each variant of one kernel, others at
     default."""
     T, hq = max(layer_seqlens), layer_hq[0]
     cmp, select, slc, win, gate, core = layer_parts("triton")
-    q, kc, vc, ks, vs, kw, vw, gl = layer_inputs(T, hq)
+    q, kc, vc, ks, vs, kw, vw, gl = layer_inputs(T, hq, trained)
     with torch.no_grad():
         lse = cmp(q, kc, vc)[1]
     cmp_f, cmp_fb = fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc)
@@ -752,9 +800,11 @@ def main():
         sys.exit(f"error: --dtype must be float16 or bfloat16, got {dtype!r}")
     if indices not in ("select", "random", "trained"):
         sys.exit(f"error: --indices must be select, random or trained, got {indices!r}")
-    if indices == "trained" and (mode != "selection" or not (ckpt and text)):
-        sys.exit("error: --indices=trained is for --mode=selection and needs --ckpt=<out_dir of a trained model> "
-                 "and --text=<prepared data dir>")
+    if indices != "select" and mode != "selection" and not (indices == "trained" and mode == "layer"):
+        sys.exit(f"error: --indices={indices} is not for --mode={mode}: the layer core selects its own blocks "
+                 f"(from random or, with trained, a model's q and k_cmp); decode fills its cache at random")
+    if indices == "trained" and not (ckpt and text):
+        sys.exit("error: --indices=trained needs --ckpt=<out_dir of a trained model> and --text=<prepared data dir>")
     torch.manual_seed(seed)
     print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu (Triton interpreter)'}; torch {torch.__version__}, "
           f"triton {triton.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")

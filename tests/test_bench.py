@@ -38,12 +38,13 @@ def bench(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(out_dir with a ckpt.pt of a tiny NSA model, a prepared byte-level data dir): the model's l' and n are the
-    CPU bench's, its head dim is D = 32 with one KV head (so the bench's two KV heads both map to it), and its
+    CPU bench's (l, d, l', n, w, D), it has one KV head (so the bench's two KV heads both map to it), and its
     block_size is below the bench's T."""
     from model import GPT, GPTConfig, PRESETS
     from prepare_data import prepare
     d = tmp_path_factory.mktemp("trained")
-    args = dict(PRESETS["tiny"], n_embd=128, n_head=4, n_kv_head=1, block_size=32)
+    args = dict(PRESETS["tiny"], n_embd=128, n_head=4, n_kv_head=1, block_size=32, cmp_block=16, cmp_stride=8,
+                window=512)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**args))
     torch.save(dict(model=model.state_dict(), model_args=args, config={}), d / "ckpt.pt")
@@ -76,14 +77,25 @@ def test_trained_indices(tmp_path, trained):
 
 
 def test_trained_inputs_map_the_model_heads(bench, trained):
-    # bench KV heads 0 and 1 both take the model's only KV head: same indices, same k and v
+    # T = 96 > n*l' = 64: a real top-n. Bench KV heads 0 and 1 both take the model's only KV head (same indices, k,
+    # v); bench query heads (h, g) take the model's query head g. The layer mode's inputs are the same tensors, and
+    # its core's select_blocks on them picks (up to fp16 rounding of the model's fp32 q, k_cmp) the model's blocks.
     ckpt, data = trained
-    with bench.overridden(vars(bench), dict(ckpt=ckpt, text=data, layer=0)):
-        q, k, v, idx = bench.selection_inputs(40, bench.load_trained())
-    assert q.shape == (1, 40, 4, 32) and k.shape == v.shape == (1, 40, 2, 32) and idx.shape == (1, 40, 2, 4)
+    with bench.overridden(vars(bench), dict(ckpt=ckpt, text=data, layer=1, seqlens=(96,), layer_seqlens=(96,))):
+        model_val = bench.load_trained()
+        q, k, v, idx = bench.selection_inputs(96, model_val)
+        xs = bench.layer_inputs(96, 4, model_val)
+    assert q.shape == (1, 96, 4, 32) and k.shape == v.shape == (1, 96, 2, 32) and idx.shape == (1, 96, 2, 4)
     assert torch.equal(idx[:, :, 0], idx[:, :, 1]) and torch.equal(k[:, :, 0], k[:, :, 1])
     assert torch.equal(q[:, :, :2], q[:, :, 2:]) and not torch.equal(q[:, :, 0], q[:, :, 1])
-    assert (idx[:, :, :, 0] == 0).all()  # the forced initial block
+    assert (idx[:, :, :, 0] == 0).all() and (idx[:, 64:] >= 0).all()  # block 0 forced; n blocks once there are n
+    assert torch.equal(xs[0], q) and torch.equal(xs[3], k) and torch.equal(xs[4], v)
+    assert xs[1].shape == xs[2].shape == (1, 11, 2, 32) and xs[7].shape == (1, 96, 4, 3)
+    from nsa_attention import select_blocks
+    again = select_blocks(xs[0].float(), xs[1].float(), 16, 8, 16, 4, backend="torch")
+    assert (again == idx).float().mean() > 0.9
+    overlap, tile = bench.locality(idx, 8)
+    assert 0 < overlap < 1 and 0 < tile < 8  # early tiles see fewer than n blocks
 
 
 def test_trained_user_errors(tmp_path, bench, trained):
@@ -93,7 +105,9 @@ def test_trained_user_errors(tmp_path, bench, trained):
     ckpt, data = trained
     for changes, says in ((dict(ckpt=str(tmp_path)), f"--ckpt={tmp_path}: no checkpoint"),
                           (dict(text=str(tmp_path)), f"--text={tmp_path}: "), (dict(layer=5), "--layer must be"),
-                          (dict(seqlens=(256,)), "no shard of its val split")):
+                          (dict(seqlens=(256,)), "no shard of its val split"),
+                          (dict(mode="layer", layer_seqlens=(96,), window=64), "window=512"),
+                          (dict(indices="random", mode="layer"), "is not for --mode=layer")):
         with bench.overridden(vars(bench), {**dict(indices="trained", ckpt=ckpt, text=data), **changes}):
             with pytest.raises(SystemExit) as e:
                 bench.main()
