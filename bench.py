@@ -264,6 +264,8 @@ def model_branch_inputs(T, model, val):
         h = model.wte(x)                                                       # (B, T, C): GPT.forward up to --layer
         for block in model.blocks[:layer + 1]:
             h = block(h)
+    if len(seen) < len(ops):  # a bug: NSAAttention calls its branch ops some other way now
+        raise RuntimeError(f"NSAAttention did not call nsa_attention.{set(ops) - set(seen)}: update this capture")
     return seen
 
 
@@ -372,6 +374,15 @@ def locality(idx, tile):
     return overlap.item(), distinct.float().mean().item() / n
 
 
+def print_locality(T, hq, idx):
+    """locality(idx) for the tiles of the selection kernel at hq query heads, printed and returned."""
+    BT = tile_tokens(hq)
+    overlap, tile_blocks = locality(idx, BT)
+    print(f"locality T={T} HQ={hq}: token t+1 selects {overlap:.3f} of token t's blocks; a tile of BT={BT} tokens "
+          f"(the query-centric selection forward's) selects {tile_blocks:.2f} n distinct blocks (at most {BT} n)")
+    return overlap, tile_blocks
+
+
 def selection_check(T, paths, trained):
     """Output and grads of each path vs the PyTorch reference in fp32 on the same rounded inputs."""
     q, k, v, idx = selection_inputs(T, trained)
@@ -394,7 +405,7 @@ def run_selection():
         return selection_sweep(trained, source)
     if cuda:
         matmul_tflops()
-    rows, BT = [], tile_tokens(HQ)
+    rows = []
 
     def add(T, impl, pass_, ms, flops, base=None):
         rows.append(dict(T=T, impl=impl, pass_=pass_, ms=ms, tflops=flops / ms / 1e9 if ms else float("nan"),
@@ -403,9 +414,7 @@ def run_selection():
 
     for T in seqlens:
         q, k, v, idx = selection_inputs(T, trained)
-        overlap, tile_blocks = locality(idx, BT)
-        print(f"locality T={T} indices={source}: token t+1 selects {overlap:.3f} of token t's blocks; a tile of "
-              f"BT={BT} tokens selects {tile_blocks:.2f} n distinct blocks (at most {BT} n)")
+        overlap, tile_blocks = print_locality(T, HQ, idx)
         sel_flops = 4 * B * T * HQ * (n_select * sel_block) * D  # every selected key counted
         dense_flops = 4 * B * T * T * HQ * D / 2  # causal
         base = {}
@@ -458,9 +467,8 @@ def selection_sweep(trained, source):
 # attention, select_blocks on its lse, selection, window, softmax gate), forward and forward+backward, per-part times
 # and peak extra memory, against dense causal cuDNN SDPA at each T of layer_seqlens, for each HQ of layer_hq
 
-def layer_parts(backend):
-    """The layer core and its parts as functions of tensors, on the Triton kernels ("triton") or the reference."""
-    be = backend
+def layer_parts(be):
+    """The layer core and its parts as functions of tensors, on the Triton kernels (be="triton") or the reference."""
 
     def cmp(q, kc, vc):
         return nsa_attention.compressed_attention(q, kc, vc, cmp_block, cmp_stride, backend=be)
@@ -537,13 +545,13 @@ def layer_floors(T, hq, tflops, gbps):
         fwd = 2 * B * T * hq * nk * (D + Dv) / tflops / 1e9
         return {"fwd": fwd, "fwd+bwd": 3.5 * fwd}
 
-    gate = B * T * hq * dt.itemsize / gbps / 1e6                               # ms per value per (token, head)
+    per_value = B * T * hq * dt.itemsize / gbps / 1e6                          # ms to move one value per (t, head)
     floors = {"dense cudnn": attention((T + 1) / 2),
               "compressed": attention(keys(cmp_block, cmp_stride)),
               "select_blocks": {"fwd": 2 * B * T * hq * keys(cmp_block, cmp_stride) * D / tflops / 1e9},
               "selection": attention(keys(n=n_select)),
               "window": attention(keys(w=window)),
-              "gate": {"fwd": (4 * Dv + 3) * gate, "fwd+bwd": (11 * Dv + 9) * gate}}
+              "gate": {"fwd": (4 * Dv + 3) * per_value, "fwd+bwd": (11 * Dv + 9) * per_value}}
     parts = [floors[name] for name in ("compressed", "select_blocks", "selection", "window", "gate")]
     floors["NSA layer core"] = {p: sum(f.get(p, f["fwd"]) for f in parts) for p in ("fwd", "fwd+bwd")}
     return floors
@@ -567,9 +575,7 @@ def run_layer():
             with torch.no_grad():
                 o_cmp, lse = cmp(q, kc, vc)
                 idx = select(q, kc, lse)
-            overlap, tile_blocks = locality(idx, tile_tokens(hq))
-            print(f"locality T={T} HQ={hq}: token t+1 selects {overlap:.3f} of token t's blocks; a tile of "
-                  f"BT={tile_tokens(hq)} tokens selects {tile_blocks:.2f} n distinct blocks")
+            overlap, tile_blocks = print_locality(T, hq, idx)
             floors, dense_ms = layer_floors(T, hq, tflops, gbps), {}
 
             def time_part(name, f, fb):
@@ -599,7 +605,8 @@ def run_layer():
           f"w={window} {dtype}; indices: {source}; speedup = dense cuDNN ms / ms (same T, HQ); mem = peak extra GiB of "
           f"fwd+bwd")
     print(f"floor = FLOPs at {tflops:.3g} TFLOP/s, the gate's bytes at {gbps:.3g} GB/s (both measured above; "
-          f"layer_floors says what is counted); share = the part's floor / the layer core's; x floor = ms / floor")
+          f"layer_floors says what is counted); share = the part's floor / the layer core's (whose fwd+bwd holds "
+          f"select_blocks' forward); x floor = ms / floor")
     print(f"{'T':>7} {'HQ':>3} {'impl':<16} {'pass':<8} {'ms':>10} {'speedup':>8} {'mem GiB':>8} {'floor ms':>9} "
           f"{'share':>6} {'x floor':>8}")
     for T, hq, name, p, ms, sp, mem, floor, share, dist, *_ in rows:
