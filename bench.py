@@ -1,10 +1,17 @@
-"""Benchmark: the Triton selection attention of sel_kernel.py (forward, forward+backward) against dense causal attention
-(F.scaled_dot_product_attention with each backend, flash-attn if importable) and the PyTorch reference of nsa_attention.py.
-`python bench.py --seqlens="(65536,)" --csv=out.csv`; on a machine without CUDA it runs a tiny smoke test in the interpreter.
+"""Benchmarks of nanoNSA's kernels on one GPU, in three modes; each first checks its kernels against the fp32 reference.
+  selection: the selected-block attention of sel_kernel.py alone, each of its paths, against dense causal attention
+             (every SDPA backend, flash-attn if importable) and the PyTorch reference of nsa_attention.py;
+  layer:     the whole NSA layer core (compressed, select_blocks, selection, window, gate) and each part, against dense
+             causal cuDNN attention and against each part's floor (its FLOPs or bytes at rates measured in the run);
+  decode:    one decode step over a filled cache, the attention alone and the whole layer, against dense SDPA.
+Selections come from random inputs or (--indices=trained) from a trained model run on real text; the selection and
+layer modes print how local they are. `python bench.py --mode=layer --csv=out.csv`; without CUDA each mode runs a
+tiny smoke test in the Triton interpreter.
 """
+import contextlib
 import csv as csv_lib
-import math
 import os
+import sys
 import time
 
 import torch
@@ -14,62 +21,57 @@ if not torch.cuda.is_available():
 
 # -----------------------------------------------------------------------------
 # config (override with config/*.py or --key=value)
+mode = "selection"  # selection | layer | decode
 batch_size = 1  # B
-n_head = 64  # HQ: query heads
+n_head = 64  # HQ: query heads (layer mode: layer_hq)
 n_kv_head = 4  # H: key/value heads (G = HQ / H)
 head_dim = 128  # D: q/k head dim
 v_head_dim = 128  # Dv: v head dim
-n_select = 16  # selected blocks per query (n)
-sel_block = 64  # selection block size (l')
-cmp_block = 32  # compressed block (l), used to pick realistic indices
+cmp_block = 32  # compressed block (l)
 cmp_stride = 16  # compressed stride (d)
+sel_block = 64  # selection block size (l')
+n_select = 16  # selected blocks per query (n)
+n_init = 1  # forced initial blocks
+n_local = 2  # forced local blocks
+window = 512  # sliding window (w)
 dtype = "bfloat16"  # float16 | bfloat16
-seqlens = (8192, 16384, 32768, 65536)  # T values (CPU smoke: (128,))
-indices = "select"  # select: select_blocks on random q/k_cmp | random: uniform duplicate-free ids
-backward = True  # also time forward+backward
-dense = True  # dense causal SDPA baselines (every available backend) and flash-attn if importable
-reference = True  # our PyTorch reference (nsa_attention, backend="torch") for T <= ref_max_T
-ref_max_T = 8192
-check = True  # compare our output and grads with an fp32 reference at the smallest T first
-sweep = False  # time launch configs (num_warps, num_stages) of each kernel at the largest T
-profile = False  # per-kernel CUDA time of one forward+backward at the largest T (decode mode: of one step)
+seqlens = (8192, 16384, 32768, 65536)  # selection mode: T values
+indices = "select"  # select: select_blocks on random q, k_cmp | random: uniform ids (selection mode) | trained
+ckpt = ""  # indices=trained (selection, layer modes): out_dir of an NSA model (ckpt.pt, or safetensors + config.json)
+text = ""  # indices=trained: a prepared data dir (prepare_data.py) whose val split the model reads
+layer = 0  # indices=trained: the model layer whose q, k, v and selections the bench takes
+reference = 8192  # selection mode: also time the PyTorch reference at T up to this (0 = never)
+layer_seqlens = (4096, 8192, 16384, 32768, 65536, 131072)  # layer mode: T values
+layer_hq = (64, 16)  # layer mode: query heads to run with H kv heads (16 -> G = 4)
+decode_seqlens = (8192, 32768, 65536, 131072)  # decode mode: cache lengths S
+decode_batches = (1, 8)  # decode mode: batch sizes
+dense = True  # dense causal attention baselines
+check = True  # compare our output and grads with an fp32 reference at a small T first
+sweep = False  # instead of the table, time launch configs of the mode's kernels at the largest T (selection, layer)
+profile = False  # per-kernel CUDA time: selection mode of one forward+backward at the largest T, decode of one step
 warmup_ms = 25  # triton.testing.do_bench warmup (ms)
 rep_ms = 100  # triton.testing.do_bench repetitions (ms)
 csv = ""  # write the table here too
 seed = 1337
-mode = "selection"  # selection: sel_kernel alone | layer: the whole NSA layer core (nsa_kernels.py's section below)
-window = 512  # layer mode: sliding window (w)
-n_init = 1  # layer mode: forced initial blocks
-n_local = 2  # layer mode: forced local blocks
-layer_seqlens = (4096, 8192, 16384, 32768, 65536, 131072)  # layer mode: T values
-layer_hq = (64, 16)  # layer mode: query heads to run with H kv heads (16 -> G = 4)
-layer_sweep = False  # layer mode: time nsa_kernels.CONFIG variants at the largest T (first HQ) instead of the table
-# mode = "decode" (sample.py's section below): one decode step over a static cache of S tokens, NSA vs dense SDPA
-decode_seqlens = (8192, 32768, 65536, 131072)  # decode mode: cache lengths S
-decode_batches = (1, 8)  # decode mode: batch sizes
-decode_cmp_hidden = 256  # decode mode: hidden size of the compression MLP phi in the whole-layer step
-decode_compile = True  # decode mode: torch.compile the NSA step and the layer steps (as sample.py) before graph capture
-exec(open("configurator.py").read())  # overrides from command line or config file
-B, HQ, H, D, Dv = batch_size, n_head, n_kv_head, head_dim, v_head_dim
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())  # overrides
 # -----------------------------------------------------------------------------
 
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 import nsa_attention  # noqa: E402
+import nsa_kernels  # noqa: E402
 import sel_kernel  # noqa: E402
 
+B, HQ, H, D, Dv = batch_size, n_head, n_kv_head, head_dim, v_head_dim
 cuda = torch.cuda.is_available()
 device = "cuda" if cuda else "cpu"
-dt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-if not cuda:
-    dt = torch.float16 if dt == torch.bfloat16 else dt  # bf16 dots are wrong in the interpreter
-    seqlens = tuple(t for t in seqlens if t <= 256) or (64,)  # the interpreter runs ~1e5 times slower
+if not cuda:  # CPU smoke test: tiny shapes for the slow interpreter, fp16 as bf16 dots are wrong there
+    dtype, seqlens = "float16", tuple(t for t in seqlens if t <= 256) or (64,)
+    layer_seqlens, layer_hq, decode_seqlens, decode_batches = (128,), (4,), (256,), (2,)
     HQ, H, D, Dv, n_select, sel_block, cmp_block, cmp_stride = 4, 2, 32, 32, 4, 16, 16, 8
     dense, sweep, profile = False, False, False
-torch.manual_seed(seed)
-print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu (Triton interpreter)'}; torch {torch.__version__}, "
-      f"triton {triton.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+dt = getattr(torch, dtype, None)
 
 
 def bench(fn):
@@ -79,21 +81,6 @@ def bench(fn):
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
-
-
-def make_indices(T, q):
-    """int32 (B, T, H, n): select_blocks on random compressed keys (the real top-k) or uniform random ids."""
-    if indices == "select":
-        Tc = nsa_attention.num_cmp_blocks(T, cmp_block, cmp_stride)
-        k_cmp = torch.randn(B, Tc, H, D, device=device, dtype=q.dtype)
-        with torch.no_grad():
-            return nsa_attention.select_blocks(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select)
-    t = torch.arange(T, device=device)
-    j = (torch.rand(B, T, H, n_select, device=device) * (t // sel_block + 1)[None, :, None, None]).long().sort(-1).values
-    dup = torch.zeros_like(j, dtype=torch.bool)
-    dup[..., 1:] = j[..., 1:] == j[..., :-1]
-    j = torch.where(dup, 1 << 40, j).sort(-1).values
-    return torch.where(j == 1 << 40, -1, j).to(torch.int32)
 
 
 def write_csv(header, rows):
@@ -110,14 +97,6 @@ def rel_rmse(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def ours(q, k, v, idx):
-    return sel_kernel.selection_attention_triton(q, k, v, idx, sel_block)
-
-
-def ref(q, k, v, idx):
-    return nsa_attention.selection_attention(q, k, v, idx, sel_block, backend="torch")
-
-
 def fwd_bwd(f, *inputs):
     """(forward, forward+backward) closures for f(*inputs); gradients wrt the inputs that require them."""
     args = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
@@ -127,16 +106,82 @@ def fwd_bwd(f, *inputs):
     return (lambda: f(*args)), (lambda: torch.autograd.grad(f(*args), diff, do))
 
 
+def free_memory():
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def overridden(table, changes):
+    """table (a dict: a kernel file's CONFIG, a module's vars()) with changes inside the block, restored afterwards,
+    also on error. A dict value is merged into the entry it replaces: {"fwd": {"union": True}} keeps fwd's other
+    settings. Only existing keys can be changed (a typo is a KeyError)."""
+    saved = {key: table[key] for key in changes}
+    table.update({key: {**saved[key], **val} if isinstance(val, dict) else val for key, val in changes.items()})
+    try:
+        yield
+    finally:
+        table.update(saved)
+
+
+def sweep_configs(title, table, grid, ops):
+    """Time ops[kernel] under each launch config of grid[kernel] merged into table[kernel] (a kernel file's CONFIG),
+    one kernel at a time with the others at their defaults; table is as before afterwards."""
+    print(title)
+    for kname, configs in grid.items():
+        for cfg in configs:
+            with overridden(table, {kname: cfg}):
+                try:
+                    res = "  ".join(f"{name} {bench(fn):.3f} ms" for name, fn in ops[kname])
+                except Exception as e:  # out of resources for this config
+                    res = f"failed ({str(e).splitlines()[0][:60]})"
+            print(f"  {kname:<6} {' '.join(f'{k}={v}' for k, v in cfg.items()):<44} {res}")
+
+
+def profile_table(fn):
+    """Per-kernel CUDA time of fn() over three runs (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+
+
+def matmul_tflops():
+    """This device's matmul rate in dt (TFLOP/s), measured on one large torch.matmul in this run."""
+    n = 8192 if cuda else 256
+    a, b = (torch.randn(n, n, device=device, dtype=dt) for _ in range(2))
+    tflops = 2 * n ** 3 / bench(lambda: a @ b) / 1e9
+    print(f"matmul {n}^3 {dtype}: {tflops:.3g} TFLOP/s")
+    return tflops
+
+
+def copy_gbps():
+    """This device's copy bandwidth (GB/s, bytes read + written), measured on one large tensor copy in this run."""
+    x = torch.empty(2 ** 30 if cuda else 2 ** 22, device=device, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    gbps = 2 * x.numel() / bench(lambda: y.copy_(x)) / 1e6
+    print(f"copy {x.numel() >> 20} MiB: {gbps:.3g} GB/s")
+    return gbps
+
+
 # -----------------------------------------------------------------------------
 # dense causal attention baselines (k, v expanded to HQ heads outside the timed region)
 
 def sdpa_backends():
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(q, k, v, be):
+        with sdpa_kernel([be]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
     out = {}
     for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
         if hasattr(SDPBackend, name):
-            be = getattr(SDPBackend, name)
-            out[name.split("_")[0].lower()] = lambda q, k, v, be=be: _sdpa(q, k, v, be, sdpa_kernel)
+            out[name.split("_")[0].lower()] = lambda q, k, v, be=getattr(SDPBackend, name): sdpa(q, k, v, be)
     try:
         from flash_attn import flash_attn_func
         out["flash-attn"] = lambda q, k, v: flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -146,20 +191,284 @@ def sdpa_backends():
     return out
 
 
-def _sdpa(q, k, v, be, sdpa_kernel):
-    with sdpa_kernel([be]):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+def dense_inputs(q, k, v):
+    """q (B, T, HQ, D), k, v (B, T, H, .) as (B, HQ, T, .) for SDPA, k and v repeated for each query head."""
+    G = q.shape[2] // k.shape[2]
+    return q.transpose(1, 2), k.repeat_interleave(G, 2).transpose(1, 2), v.repeat_interleave(G, 2).transpose(1, 2)
 
 
 # -----------------------------------------------------------------------------
-# mode = "layer" (nsa_kernels.py's section): the whole NSA layer core, q, k, v of the three branches and gate logits
-# in, o out (compressed attention, select_blocks on its lse, selection, window, softmax gate), forward and
-# forward+backward, per-branch times and peak extra memory, against dense causal cuDNN SDPA (k, v expanded to HQ heads
-# outside the timed region) at each T of layer_seqlens, for each HQ of layer_hq (G = HQ / H).
+# a trained model's inputs (selection and layer modes, --indices=trained): the model runs on the first B*T tokens of
+# the val split of --text as B rows of T (T may exceed its block_size: RoPE has no length limit, but the model never
+# trained there), and its layer --layer's branch inputs are kept. Heads map onto the bench's: bench KV head h takes
+# the model's KV head h mod H_m, and query head g of bench KV head h the model's query head g mod G_m of that KV head.
 
-def layer_parts(hq):
-    """The layer core and its branches as functions of tensors, on the Triton path."""
-    be = "triton"
+def load_trained():
+    """The GPT of --ckpt (eval, on the device) and the val split of --text, checked against the bench's shape."""
+    argv, sys.argv = sys.argv, sys.argv[:1]  # sample.py applies its own --key=value overrides when imported
+    try:
+        import sample
+    finally:
+        sys.argv = argv
+    from prepare_data import TokenShards
+    try:
+        model, _ = sample.load_model(ckpt, backend="auto")
+    except ValueError as e:
+        sys.exit(f"error: --ckpt={ckpt}: {e}")
+    try:
+        val = TokenShards(text, "val")
+    except ValueError as e:
+        sys.exit(f"error: --text={text}: {e}")
+    c = model.config
+    Dm, T_max = c.n_embd // c.n_head, max(seqlens if mode == "selection" else layer_seqlens)
+    need = dict(sel_block=sel_block, n_select=n_select)  # what the selections depend on, and in layer mode (the
+    if mode == "layer":                                   # core selects from the model's q, k_cmp) what it computes
+        need.update(cmp_block=cmp_block, cmp_stride=cmp_stride, n_init=n_init, n_local=n_local, window=window,
+                    head_dim=D, v_head_dim=Dv)
+    has = {**vars(c), "head_dim": Dm, "v_head_dim": Dm}
+    if c.attn != "nsa" or any(has[k] != v for k, v in need.items()):
+        sys.exit(f"error: --ckpt={ckpt} holds a {c.attn} model with " + " ".join(f"{k}={has[k]}" for k in need)
+                 + "; the bench needs an NSA model with its own " + " ".join(f"{k}={v}" for k, v in need.items())
+                 + " (set the bench's with --key=value)")
+    if not 0 <= layer < c.n_layer:
+        sys.exit(f"error: --layer must be in [0, {c.n_layer}) for --ckpt={ckpt}, got {layer}")
+    if val.vocab_size > c.vocab_size:
+        sys.exit(f"error: --text={text} has {val.vocab_size} token ids, the model of --ckpt={ckpt} {c.vocab_size}")
+    if max(len(shard) for shard in val.shards) < B * T_max:
+        sys.exit(f"error: --text={text}: no shard of its val split holds B*T = {B * T_max} tokens; use a smaller T "
+                 f"or a larger data set")
+    print(f"trained inputs: layer {layer} of {c.n_layer} of {ckpt} (HQ={c.n_head} H={c.n_kv_head} D={Dm} "
+          f"block_size={c.block_size}) on the first B*T tokens of {text}'s val split; bench KV head h = the model's "
+          f"KV head h mod {c.n_kv_head}; q, k, v {'from the model' if Dm == D == Dv else 'random (head dims differ)'}"
+          + ("; T > block_size runs the model past its training length" if T_max > c.block_size else ""))
+    return model.to(device=device, dtype=dt if cuda else torch.float32), val
+
+
+def model_branch_inputs(T, model, val):
+    """{op: its tensor arguments} for the branch ops (compressed_attention, selection_attention, window_attention)
+    as layer --layer of the model calls them on the first B*T tokens of the val split."""
+    tokens = next(shard[:B * T] for shard in val.shards if len(shard) >= B * T)  # load_trained checked there is one
+    x = torch.from_numpy(tokens.astype("int64")).view(B, T).to(device)        # (B, T)
+    seen = {}
+
+    def recording(name):
+        op = getattr(nsa_attention, name)
+
+        def record(*args, **kwargs):
+            seen[name] = [a for a in args if torch.is_tensor(a)]
+            return op(*args, **kwargs)
+        return record
+
+    ops = ("compressed_attention", "selection_attention", "window_attention")
+    with torch.no_grad(), overridden(vars(nsa_attention), {name: recording(name) for name in ops}):
+        h = model.wte(x)                                                       # (B, T, C): GPT.forward up to --layer
+        for block in model.blocks[:layer + 1]:
+            h = block(h)
+    if len(seen) < len(ops):  # a bug: NSAAttention calls its branch ops some other way now
+        raise RuntimeError(f"NSAAttention did not call nsa_attention.{set(ops) - set(seen)}: update this capture")
+    return seen
+
+
+def bench_heads(x, Hm, hq=0):
+    """x (B, T, heads, .) of the model, with H_m KV heads: its KV heads as the bench's H, or (hq > 0) its query heads
+    as the bench's hq."""
+    heads = torch.arange(H, device=x.device) % Hm                              # (H,) model KV head of each bench one
+    if hq:
+        Gm = x.shape[2] // Hm
+        heads = (heads[:, None] * Gm + torch.arange(hq // H, device=x.device) % Gm).flatten()  # (hq,) query heads
+    return x[:, :, heads].contiguous()
+
+
+def trained_selection_inputs(T, model, val):
+    """selection_inputs from the model: its indices, and its q, k, v where its head dim is D = Dv (else random)."""
+    q, k, v, idx = model_branch_inputs(T, model, val)["selection_attention"]
+    Hm = k.shape[2]
+    q, k, v = (bench_heads(q, Hm, HQ).to(dt), bench_heads(k, Hm).to(dt), bench_heads(v, Hm).to(dt)) \
+        if q.shape[-1] == D == Dv else random_qkv(T)
+    return q, k, v, bench_heads(idx, Hm)
+
+
+def trained_layer_inputs(T, hq, model, val):
+    """layer_inputs from the model: q and the K/V of its three branches (load_trained checked their shapes); the gate
+    logits stay random (they change no time)."""
+    seen = model_branch_inputs(T, model, val)
+    (q, kc, vc), (_, ks, vs, _), (_, kw, vw) = (seen[op] for op in ("compressed_attention", "selection_attention",
+                                                                     "window_attention"))
+    Hm = kc.shape[2]
+    return [bench_heads(q, Hm, hq).to(dt)] + [bench_heads(x, Hm).to(dt) for x in (kc, vc, ks, vs, kw, vw)] + \
+        [torch.randn(B, T, hq, 3, device=device, dtype=dt)]
+
+
+# -----------------------------------------------------------------------------
+# mode = "selection": sel_kernel.py's selected-block attention alone, correctness at the smallest T, then the table
+# (or the launch-config sweep) and an optional per-kernel profile at the largest T
+
+def make_indices(T, q):
+    """int32 (B, T, H, n): select_blocks on random compressed keys (the real top-k) or uniform random ids."""
+    if indices == "select":
+        Tc = nsa_attention.num_cmp_blocks(T, cmp_block, cmp_stride)
+        k_cmp = torch.randn(B, Tc, H, D, device=device, dtype=q.dtype)
+        with torch.no_grad():
+            return nsa_attention.select_blocks(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select)
+    t = torch.arange(T, device=device)
+    j = torch.rand(B, T, H, n_select, device=device) * (t // sel_block + 1)[None, :, None, None]
+    j = j.long().sort(-1).values                                               # (B, T, H, n) visible ids, ascending
+    dup = torch.zeros_like(j, dtype=torch.bool)
+    dup[..., 1:] = j[..., 1:] == j[..., :-1]
+    j = torch.where(dup, 1 << 40, j).sort(-1).values
+    return torch.where(j == 1 << 40, -1, j).to(torch.int32)
+
+
+def selection_inputs(T, trained=None):
+    """q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv) and block indices (B, T, H, n): random inputs with
+    make_indices, or a trained model's (trained = load_trained())."""
+    if trained:
+        return trained_selection_inputs(T, *trained)
+    q, k, v = random_qkv(T)
+    return q, k, v, make_indices(T, q)
+
+
+def random_qkv(T):
+    return (torch.randn(B, T, HQ, D, device=device, dtype=dt), torch.randn(B, T, H, D, device=device, dtype=dt),
+            torch.randn(B, T, H, Dv, device=device, dtype=dt))
+
+
+def ours(q, k, v, idx):
+    return sel_kernel.selection_attention_triton(q, k, v, idx, sel_block)
+
+
+def ref(q, k, v, idx):
+    return nsa_attention.selection_attention(q, k, v, idx, sel_block, backend="torch")
+
+
+def selection_paths():
+    """The selection kernel's paths as overrides of sel_kernel.CONFIG: query-centric tiles (each token loads its own
+    blocks), the same tiles with union=True (a block several tokens of a tile chose is loaded once for them), and
+    the key-centric path where the kernel has one."""
+    paths = {"query": {"fwd": {"union": False}, "dq": {"union": False}},
+             "query union": {"fwd": {"union": True}, "dq": {"union": True}}}
+    if "path" in sel_kernel.CONFIG:
+        paths = {name: {**changes, "path": "query"} for name, changes in paths.items()}
+        paths["key"] = {"path": "key"}
+    return paths
+
+
+def tile_tokens(hq):
+    """BT: the tokens one program of the query-centric selection forward holds, CONFIG["fwd"]["rows"] query rows over
+    the G = hq / H heads of a KV head (G rounded up to a power of 2), as sel_kernel.py tiles them."""
+    return max(1, sel_kernel.CONFIG["fwd"]["rows"] // triton.next_power_of_2(hq // H))
+
+
+def locality(idx, tile):
+    """How much neighbouring tokens share their selected blocks, idx (B, T, H, n) int32 (-1 = none): the mean over
+    (token t, KV head) of the fraction of t's blocks that t + 1 also selects, and the mean number of distinct blocks
+    the tokens of a tile of `tile` consecutive ones select, over n (1 when they all select the same n, tile at most)."""
+    B, T, H, n = idx.shape
+    valid = idx >= 0                                                           # (B, T, H, n)
+    shared = ((idx[:, :-1, :, :, None] == idx[:, 1:, :, None, :]).any(-1) & valid[:, :-1]).sum(-1)  # (B, T-1, H)
+    count = valid[:, :-1].sum(-1)                                              # (B, T-1, H)
+    overlap = (shared / count.clamp_min(1))[count > 0].mean()
+    tiles = F.pad(idx, (0, 0, 0, 0, 0, -T % tile), value=-1).view(B, -1, tile, H, n)
+    ids = tiles.transpose(2, 3).flatten(3).sort(-1).values                     # (B, T / tile, H, tile * n)
+    distinct = (ids[..., :1] >= 0).sum(-1) + ((ids[..., 1:] != ids[..., :-1]) & (ids[..., 1:] >= 0)).sum(-1)
+    return overlap.item(), distinct.float().mean().item() / n
+
+
+def print_locality(T, hq, idx):
+    """locality(idx) for the tiles of the selection kernel at hq query heads, printed and returned."""
+    BT = tile_tokens(hq)
+    overlap, tile_blocks = locality(idx, BT)
+    print(f"locality T={T} HQ={hq}: token t+1 selects {overlap:.3f} of token t's blocks; a tile of BT={BT} tokens "
+          f"(the query-centric selection forward's) selects {tile_blocks:.2f} n distinct blocks (at most {BT} n)")
+    return overlap, tile_blocks
+
+
+def selection_check(T, paths, trained):
+    """Output and grads of each path vs the PyTorch reference in fp32 on the same rounded inputs."""
+    q, k, v, idx = selection_inputs(T, trained)
+    f_ref, fb_ref = fwd_bwd(ref, q.float(), k.float(), v.float(), idx)
+    expect = (f_ref(), *fb_ref())
+    for path, changes in paths.items():
+        with overridden(sel_kernel.CONFIG, changes):
+            f_ours, fb_ours = fwd_bwd(ours, q, k, v, idx)
+            errs = [rel_rmse(a, b) for a, b in zip((f_ours(), *fb_ours()), expect)]
+        print(f"check T={T} {path}: rel RMSE vs fp32 reference  o {errs[0]:.2e}  dq {errs[1]:.2e}  dk {errs[2]:.2e}  "
+              f"dv {errs[3]:.2e}  ({'ok' if max(errs) <= 1e-2 else 'FAIL'})")
+
+
+def run_selection():
+    paths, trained = selection_paths(), load_trained() if indices == "trained" else None
+    source = f"trained (layer {layer} of {ckpt} on {text})" if trained else indices
+    if check:
+        selection_check(seqlens[0], paths, trained)
+    if sweep:
+        return selection_sweep(trained, source)
+    if cuda:
+        matmul_tflops()
+    rows = []
+
+    def add(T, impl, pass_, ms, flops, base=None):
+        rows.append(dict(T=T, impl=impl, pass_=pass_, ms=ms, tflops=flops / ms / 1e9 if ms else float("nan"),
+                         speedup=(base / ms) if base else float("nan"), indices=source, next_overlap=overlap,
+                         tile_blocks=tile_blocks))
+
+    for T in seqlens:
+        q, k, v, idx = selection_inputs(T, trained)
+        overlap, tile_blocks = print_locality(T, HQ, idx)
+        sel_flops = 4 * B * T * HQ * (n_select * sel_block) * D  # every selected key counted
+        dense_flops = 4 * B * T * T * HQ * D / 2  # causal
+        base = {}
+        if dense:
+            for name, fn in sdpa_backends().items():
+                try:
+                    df, dfb = fwd_bwd(fn, *dense_inputs(q, k, v))
+                    add(T, f"dense {name}", "fwd", bench(df), dense_flops)
+                    add(T, f"dense {name}", "fwd+bwd", bench(dfb), 3.5 * dense_flops)
+                except RuntimeError as e:  # backend not available for this shape / GPU
+                    print(f"T={T} dense {name}: skipped ({str(e).splitlines()[0][:80]})")
+                free_memory()
+            base = {r["pass_"]: r["ms"] for r in rows if r["T"] == T and r["impl"] == "dense cudnn"}
+        impls = {f"nsa selection ({path})": (ours, changes) for path, changes in paths.items()}
+        if T <= reference:
+            impls["nsa selection (torch ref)"] = (ref, {})
+        for impl, (fn, changes) in impls.items():
+            with overridden(sel_kernel.CONFIG, changes):
+                f, fb = fwd_bwd(fn, q, k, v, idx)
+                add(T, impl, "fwd", bench(f), sel_flops, base.get("fwd"))
+                add(T, impl, "fwd+bwd", bench(fb), 3.5 * sel_flops, base.get("fwd+bwd"))
+        del q, k, v, idx, f, fb
+        free_memory()
+
+    print(f"\nB={B} HQ={HQ} H={H} D={D} Dv={Dv} n={n_select} l'={sel_block} {dtype} indices={source}; "
+          f"speedup = dense cuDNN ms / ms; selection TFLOP/s count 4*T*HQ*n*l'*D (x3.5 fwd+bwd)")
+    print(f"{'T':>7} {'impl':<32} {'pass':<8} {'ms':>10} {'TFLOP/s':>8} {'speedup':>8}")
+    for r in rows:
+        print(f"{r['T']:>7} {r['impl']:<32} {r['pass_']:<8} {r['ms']:>10.3f} {r['tflops']:>8.1f} {r['speedup']:>8.2f}")
+    write_csv(list(rows[0]), [list(r.values()) for r in rows])
+    if profile:
+        q, k, v, idx = selection_inputs(max(seqlens), trained)
+        profile_table(fwd_bwd(ours, q, k, v, idx)[1])
+
+
+def selection_sweep(trained, source):
+    """Launch configs of sel_kernel.py's kernels at the largest T: each variant of one kernel, others at default."""
+    T = max(seqlens)
+    f, fb = fwd_bwd(ours, *selection_inputs(T, trained))
+    grid = {"fwd": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
+            "dq": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
+            "dkv": [dict(rows=r, num_warps=w, num_stages=s) for r, w, s in ((64, 4, 2), (64, 4, 3), (128, 8, 2))]}
+    ops = {"fwd": [("fwd", f)], "dq": [("fwd+bwd", fb)], "dkv": [("fwd+bwd", fb)]}
+    sweep_configs(f"selection sweep T={T} HQ={HQ} H={H} indices={source}: ms under each config of one kernel",
+                  sel_kernel.CONFIG, grid, ops)
+
+
+# -----------------------------------------------------------------------------
+# mode = "layer": the whole NSA layer core, q, k, v of the three branches and gate logits in, o out (compressed
+# attention, select_blocks on its lse, selection, window, softmax gate), forward and forward+backward, per-part times
+# and peak extra memory, against dense causal cuDNN SDPA at each T of layer_seqlens, for each HQ of layer_hq
+
+def layer_parts(be):
+    """The layer core and its parts as functions of tensors, on the Triton kernels (be="triton") or the reference."""
 
     def cmp(q, kc, vc):
         return nsa_attention.compressed_attention(q, kc, vc, cmp_block, cmp_stride, backend=be)
@@ -178,7 +487,8 @@ def layer_parts(hq):
         g = torch.softmax(gl.float(), dim=-1)                                  # (B, T, HQ, 3)
         return (g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win).to(o_cmp.dtype)
 
-    gate = torch.compile(gate, dynamic=True) if cuda else gate
+    if cuda and be == "triton":
+        gate = torch.compile(gate, dynamic=True)
 
     def core(q, kc, vc, ks, vs, kw, vw, gl):
         o_cmp, lse = cmp(q, kc, vc)
@@ -188,7 +498,11 @@ def layer_parts(hq):
     return cmp, select, slc, win, gate, core
 
 
-def layer_inputs(T, hq):
+def layer_inputs(T, hq, trained=None):
+    """q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gate logits of the layer core: random, or a trained model's
+    (trained = load_trained())."""
+    if trained:
+        return trained_layer_inputs(T, hq, *trained)
     Tc = nsa_attention.num_cmp_blocks(T, cmp_block, cmp_stride)
     shapes = ((B, T, hq, D), (B, Tc, H, D), (B, Tc, H, Dv), (B, T, H, D), (B, T, H, Dv), (B, T, H, D), (B, T, H, Dv),
               (B, T, hq, 3))
@@ -207,91 +521,112 @@ def peak_extra_gib(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
 
 
+def layer_check(hq):
+    """Layer output and grads vs the PyTorch reference (fp32, same rounded inputs) at a small T."""
+    T = 2048 if cuda else 96
+    xs = layer_inputs(T, hq)
+    out = fwd_bwd(layer_parts("triton")[-1], *xs)
+    ref = fwd_bwd(layer_parts("torch")[-1], *[x.float() for x in xs])
+    errs = [rel_rmse(a, b) for a, b in zip((out[0](), *out[1]()), (ref[0](), *ref[1]()))]
+    print(f"layer check HQ={hq} T={T}: rel RMSE vs fp32 reference: o {errs[0]:.2e}, grads max "
+          f"{max(errs[1:]):.2e} ({'ok' if max(errs) <= 2e-2 else 'FAIL'})")
+
+
+def layer_floors(T, hq, tflops, gbps):
+    """Floor ms of each part of the layer core, {part: {pass: ms}}. Attention: its FLOPs (QK and PV, 2 per
+    multiply-add, over the keys each query reads as nsa_attention.tokens_read_per_query counts them; the backward
+    2.5x the forward) at the measured matmul rate; block scores: QK alone (select_blocks has no backward); gate: its
+    bytes (forward: 3 branch outputs and the logits in, o out; backward: do, 3 outputs and the logits in, their
+    gradients out) at the measured copy bandwidth."""
+    def keys(l=T + 1, d=1, n=0, w=0):  # mean keys per query of one branch, the other two switched off
+        return nsa_attention.tokens_read_per_query(T, l, d, sel_block, n, w)
+
+    def attention(nk):
+        fwd = 2 * B * T * hq * nk * (D + Dv) / tflops / 1e9
+        return {"fwd": fwd, "fwd+bwd": 3.5 * fwd}
+
+    per_value = B * T * hq * dt.itemsize / gbps / 1e6                          # ms to move one value per (t, head)
+    floors = {"dense cudnn": attention((T + 1) / 2),
+              "compressed": attention(keys(cmp_block, cmp_stride)),
+              "select_blocks": {"fwd": 2 * B * T * hq * keys(cmp_block, cmp_stride) * D / tflops / 1e9},
+              "selection": attention(keys(n=n_select)),
+              "window": attention(keys(w=window)),
+              "gate": {"fwd": (4 * Dv + 3) * per_value, "fwd+bwd": (11 * Dv + 9) * per_value}}
+    parts = [floors[name] for name in ("compressed", "select_blocks", "selection", "window", "gate")]
+    floors["NSA layer core"] = {p: sum(f.get(p, f["fwd"]) for f in parts) for p in ("fwd", "fwd+bwd")}
+    return floors
+
+
 def run_layer():
-    global layer_seqlens, layer_hq
-    if not cuda:  # CPU smoke test in the interpreter
-        layer_seqlens, layer_hq = (128,), (HQ,)
-    rows = []
+    trained = load_trained() if indices == "trained" else None
+    source = f"select_blocks on the q, k_cmp of layer {layer} of {ckpt} on {text}" if trained else \
+        "select_blocks on random q, k_cmp"
+    if check:
+        for hq in layer_hq:
+            layer_check(hq)
+    if sweep:
+        return layer_sweep(trained)
+    tflops, gbps, rows = matmul_tflops(), copy_gbps(), []
     for hq in layer_hq:
-        cmp, select, slc, win, gate, core = layer_parts(hq)
-        if check:  # layer output and grads vs the PyTorch reference (fp32, same rounded inputs) at a small T
-            T = 2048 if cuda else 96
-            xs = layer_inputs(T, hq)
-            out = fwd_bwd(core, *xs)
-            ref_core = layer_parts_ref(hq)
-            ref = fwd_bwd(ref_core, *[x.float() for x in xs])
-            o, o_r = out[0](), ref[0]()
-            grads, grads_r = out[1](), ref[1]()
-            errs = [rel_rmse(a, b) for a, b in zip((o, *grads), (o_r, *grads_r))]
-            print(f"layer check HQ={hq} T={T}: rel RMSE vs fp32 reference: o {errs[0]:.2e}, grads max "
-                  f"{max(errs[1:]):.2e} ({'ok' if max(errs) <= 2e-2 else 'FAIL'})")
+        cmp, select, slc, win, gate, core = layer_parts("triton")
         for T in layer_seqlens:
-            xs = layer_inputs(T, hq)
+            xs = layer_inputs(T, hq, trained)
             q, kc, vc, ks, vs, kw, vw, gl = xs
-            dense_ms = {}
-            if dense:
-                qt = q.transpose(1, 2)
-                kt, vt = (x.repeat_interleave(hq // H, 2).transpose(1, 2) for x in (ks, vs))
-                df, dfb = fwd_bwd(sdpa_backends()["cudnn"], qt, kt, vt)
-                dense_ms = {"fwd": bench(df), "fwd+bwd": bench(dfb)}
-                mem = peak_extra_gib(dfb)
-                for p, ms in dense_ms.items():
-                    rows.append((T, hq, "dense cudnn", p, ms, 1.0, mem if p == "fwd+bwd" else float("nan")))
-                del qt, kt, vt, df, dfb
-                if cuda:
-                    torch.cuda.empty_cache()
             with torch.no_grad():
                 o_cmp, lse = cmp(q, kc, vc)
                 idx = select(q, kc, lse)
-            parts = {"compressed": fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc),
-                     "select_blocks": (lambda: select(q, kc, lse), None),
-                     "selection": fwd_bwd(slc, q, ks, vs, idx),
-                     "window": fwd_bwd(win, q, kw, vw),
-                     "gate": fwd_bwd(gate, gl, o_cmp, o_cmp, o_cmp),
-                     "NSA layer core": fwd_bwd(core, *xs)}
-            for name, (f, fb) in parts.items():
+            overlap, tile_blocks = print_locality(T, hq, idx)
+            floors, dense_ms = layer_floors(T, hq, tflops, gbps), {}
+
+            def time_part(name, f, fb):
                 for p, fn in (("fwd", f), ("fwd+bwd", fb)):
                     if fn is None:
                         continue
                     ms = bench(fn)
-                    mem = peak_extra_gib(fn) if name == "NSA layer core" and p == "fwd+bwd" else float("nan")
-                    base = dense_ms.get(p)
-                    rows.append((T, hq, name, p, ms, base / ms if base else float("nan"), mem))
-            del xs, q, kc, vc, ks, vs, kw, vw, gl, parts, o_cmp, lse, idx
-            if cuda:
-                torch.cuda.empty_cache()
+                    dense_ms.update({p: ms} if name == "dense cudnn" else {})
+                    mem = peak_extra_gib(fn) if p == "fwd+bwd" and name in ("dense cudnn", "NSA layer core") \
+                        else float("nan")
+                    share = floors[name][p] / floors["NSA layer core"][p] if name != "dense cudnn" else float("nan")
+                    rows.append((T, hq, name, p, ms, dense_ms.get(p, float("nan")) / ms, mem, floors[name][p], share,
+                                 ms / floors[name][p], source, overlap, tile_blocks))
+
+            if dense:  # first, and its (B, HQ, T, D) copies of k and v freed before the rest
+                time_part("dense cudnn", *fwd_bwd(sdpa_backends()["cudnn"], *dense_inputs(q, ks, vs)))
+                free_memory()
+            time_part("compressed", *fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc))
+            time_part("select_blocks", lambda: select(q, kc, lse), None)
+            time_part("selection", *fwd_bwd(slc, q, ks, vs, idx))
+            time_part("window", *fwd_bwd(win, q, kw, vw))
+            time_part("gate", *fwd_bwd(gate, gl, o_cmp, o_cmp, o_cmp))
+            time_part("NSA layer core", *fwd_bwd(core, *xs))
+            del xs, q, kc, vc, ks, vs, kw, vw, gl, o_cmp, lse, idx
+            free_memory()
     print(f"\nlayer core: B={B} H={H} D={D} Dv={Dv} l={cmp_block} d={cmp_stride} l'={sel_block} n={n_select} "
-          f"w={window} {dtype}; speedup = dense cuDNN ms / ms (same T, HQ); mem = peak extra GiB of fwd+bwd")
-    print(f"{'T':>7} {'HQ':>3} {'impl':<16} {'pass':<8} {'ms':>10} {'speedup':>8} {'mem GiB':>8}")
-    for T, hq, name, p, ms, sp, mem in rows:
-        print(f"{T:>7} {hq:>3} {name:<16} {p:<8} {ms:>10.3f} {sp:>8.2f} {mem:>8.2f}")
-    write_csv(("T", "HQ", "impl", "pass", "ms", "speedup", "peak_extra_gib"), rows)
+          f"w={window} {dtype}; indices: {source}; speedup = dense cuDNN ms / ms (same T, HQ); mem = peak extra GiB of "
+          f"fwd+bwd")
+    print(f"floor = FLOPs at {tflops:.3g} TFLOP/s, the gate's bytes at {gbps:.3g} GB/s (both measured above; "
+          f"layer_floors says what is counted); share = the part's floor / the layer core's (whose fwd+bwd holds "
+          f"select_blocks' forward); x floor = ms / floor")
+    print(f"{'T':>7} {'HQ':>3} {'impl':<16} {'pass':<8} {'ms':>10} {'speedup':>8} {'mem GiB':>8} {'floor ms':>9} "
+          f"{'share':>6} {'x floor':>8}")
+    for T, hq, name, p, ms, sp, mem, floor, share, dist, *_ in rows:
+        print(f"{T:>7} {hq:>3} {name:<16} {p:<8} {ms:>10.3f} {sp:>8.2f} {mem:>8.2f} {floor:>9.3f} {share:>6.2f} "
+              f"{dist:>8.1f}")
+    write_csv(("T", "HQ", "impl", "pass", "ms", "speedup", "peak_extra_gib", "floor_ms", "floor_share", "x_floor",
+               "indices", "next_overlap", "tile_blocks"), rows)
 
 
-def layer_parts_ref(hq):
-    """The same layer core on the PyTorch reference (backend="torch"), for the check."""
-    def core(q, kc, vc, ks, vs, kw, vw, gl):
-        o_cmp, _ = nsa_attention.compressed_attention(q, kc, vc, cmp_block, cmp_stride, backend="torch")
-        idx = nsa_attention.select_blocks(q.detach(), kc.detach(), cmp_block, cmp_stride, sel_block, n_select, n_init,
-                                          n_local, backend="torch")
-        o_slc = nsa_attention.selection_attention(q, ks, vs, idx, sel_block, backend="torch")
-        o_win = nsa_attention.window_attention(q, kw, vw, window, backend="torch")
-        g = torch.softmax(gl.float(), dim=-1)
-        return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
-
-    return core
-
-
-def run_layer_sweep():
-    """Launch configs of nsa_kernels.py's kernels at the largest T: each variant of one kernel, others at default."""
-    import nsa_kernels
-    T, hq = (max(layer_seqlens), layer_hq[0]) if cuda else (128, HQ)
-    cmp, select, slc, win, gate, core = layer_parts(hq)
-    q, kc, vc, ks, vs, kw, vw, gl = layer_inputs(T, hq)
+def layer_sweep(trained):
+    """Launch configs of nsa_kernels.py's kernels at the largest T (first HQ): each variant of one kernel, others at
+    default."""
+    T, hq = max(layer_seqlens), layer_hq[0]
+    cmp, select, slc, win, gate, core = layer_parts("triton")
+    q, kc, vc, ks, vs, kw, vw, gl = layer_inputs(T, hq, trained)
     with torch.no_grad():
         lse = cmp(q, kc, vc)[1]
-    ops = {"fwd": [("cmp fwd", fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc)[0]), ("win fwd", fwd_bwd(win, q, kw, vw)[0])],
-           "dq": [("cmp fwd+bwd", fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc)[1]), ("win fwd+bwd", fwd_bwd(win, q, kw, vw)[1])],
+    cmp_f, cmp_fb = fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc)
+    win_f, win_fb = fwd_bwd(win, q, kw, vw)
+    ops = {"fwd": [("cmp fwd", cmp_f), ("win fwd", win_f)], "dq": [("cmp fwd+bwd", cmp_fb), ("win fwd+bwd", win_fb)],
            "select": [("select", lambda: select(q, kc, lse))]}
     ops["dkv"] = ops["dq"]
     grid = {"fwd": [dict(M=m, BN=n, num_warps=w, num_stages=s) for m, n, w, s in
@@ -302,40 +637,25 @@ def run_layer_sweep():
                     ((64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 2))],
             "select": [dict(M=m, num_warps=w, num_stages=s) for m, w, s in
                        ((128, 8, 2), (128, 4, 2), (64, 4, 2), (256, 8, 2), (128, 8, 3))]}
-    print(f"layer sweep T={T} HQ={hq}: ms of each op under each config of one kernel")
-    for kname, configs in grid.items():
-        default = dict(nsa_kernels.CONFIG[kname])
-        for cfg in configs:
-            nsa_kernels.CONFIG[kname] = cfg
-            try:
-                res = "  ".join(f"{name} {bench(fn):8.3f}" for name, fn in ops[kname])
-            except Exception as e:  # out of resources for this config
-                res = f"failed ({str(e).splitlines()[0][:60]})"
-            print(f"  {kname:<6} {str(cfg):<60} {res}")
-        nsa_kernels.CONFIG[kname] = default
-
-
-if mode == "layer":
-    run_layer_sweep() if layer_sweep else run_layer()
-    raise SystemExit(0)
+    sweep_configs(f"layer sweep T={T} HQ={hq}: ms of each op under each config of one kernel", nsa_kernels.CONFIG,
+                  grid, ops)
 
 
 # -----------------------------------------------------------------------------
-# mode = "decode" (sample.py's section, issue 7): one decode step at cache length S, for S in decode_seqlens and each
-# batch size in decode_batches, HQ query heads. "attention" = nsa_attention.decode_attention (compressed ->
-# select_blocks -> selection -> window -> gate mix over a filled static cache) with nsa_kernels' four launches and
-# with the torch reference, whose branches are also timed alone (--profile=True: the Triton step per kernel), against
-# dense F.scaled_dot_product_attention of one query over S cached keys (each SDPA backend that runs; the speedup is
-# over the fastest). "layer" = a whole NSAAttention.decode step (projections, cache writes, compression MLP,
-# attention, output projection) against DenseAttention.decode. Every timed function is compiled (inductor) and
-# replayed from a CUDA graph, as sample.py runs its step, so launch overhead is out of the numbers.
+# mode = "decode": one decode step at cache length S, for S in decode_seqlens and each batch size in decode_batches.
+# "attention" = nsa_attention.decode_attention (compressed -> select_blocks -> selection -> window -> gate mix over a
+# filled static cache) with nsa_kernels' launches and with the torch reference, whose branches are also timed alone
+# (--profile=True: the Triton step per kernel), against dense F.scaled_dot_product_attention of one query over S
+# cached keys (each SDPA backend that runs; the speedup is over the fastest). "layer" = a whole NSAAttention.decode
+# step (projections, cache writes, compression MLP, attention, output projection) against DenseAttention.decode.
+# Every timed function is compiled (inductor) and replayed from a CUDA graph, as sample.py runs its step, so launch
+# overhead is out of the numbers.
 
-def _graphed(fn):
-    """fn compiled (decode_compile), warmed up and captured in a CUDA graph; returns the replay. fn itself on the CPU."""
+def graphed(fn):
+    """fn compiled, warmed up and captured in a CUDA graph; returns the replay. fn itself on the CPU."""
     if not cuda:
         return fn
-    if decode_compile:
-        fn = torch.compile(fn, fullgraph=True)
+    fn = torch.compile(fn, fullgraph=True)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -348,14 +668,14 @@ def _graphed(fn):
     return g.replay
 
 
-def _decode_config(hq, **over):
+def decode_config(hq, **over):
     from model import GPTConfig
     return GPTConfig(**{**dict(n_embd=hq * D, n_head=hq, n_kv_head=H, cmp_block=cmp_block, cmp_stride=cmp_stride,
-                               sel_block=sel_block, n_select=n_select, n_init=n_init, n_local=n_local, window=window,
-                               cmp_hidden=decode_cmp_hidden), **over})
+                               sel_block=sel_block, n_select=n_select, n_init=n_init, n_local=n_local, window=window),
+                        **over})
 
 
-def _fill_random(cache):
+def fill_random(cache):
     for name, buf in cache.named_buffers():
         if buf.is_floating_point() and name.startswith(("k_", "v_")):
             buf.normal_()
@@ -364,7 +684,7 @@ def _fill_random(cache):
 def decode_check():
     """NSAAttention prefill (Triton kernels on CUDA) then compiled decode steps vs forward over the whole sequence."""
     from nsa_attention import NSAAttention
-    cfg = _decode_config(8, n_embd=8 * 64, n_kv_head=2, cmp_hidden=64)
+    cfg = decode_config(8, n_embd=8 * 64, n_kv_head=2, cmp_hidden=64)
     T0, N, b = (1000, 64, 2) if cuda else (70, 6, 2)
     torch.manual_seed(seed)
     attn = NSAAttention(cfg).to(device).eval()
@@ -384,7 +704,7 @@ def decode_check():
           f"({'ok' if err <= 1e-3 else 'FAIL'})")
 
 
-def _profile_decode(replay, S, b, reps=50):
+def profile_decode(replay, S, b, reps=50):
     """Where a decode step's time goes: CUDA time per kernel over `reps` graph replays (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     torch.cuda.synchronize()
@@ -398,15 +718,12 @@ def _profile_decode(replay, S, b, reps=50):
 
 
 def run_decode():
-    global decode_seqlens, decode_batches
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from model import DenseAttention
     from nsa_attention import NSAAttention, decode_compressed, decode_select, decode_selection, decode_window
-    if not cuda:  # CPU smoke test
-        decode_seqlens, decode_batches = (256,), (2,)
     if check:
         decode_check()
-    cfg = _decode_config(HQ)
+    cfg = decode_config(HQ)
     scale, rows = D ** -0.5, []
     backends = [n for n in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION") if hasattr(SDPBackend, n)]
     for S in decode_seqlens:
@@ -423,7 +740,7 @@ def run_decode():
                         with sdpa_kernel([be]):
                             return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
                     try:
-                        dense_ms[name.split("_")[0].lower()] = bench(_graphed(dense_step))
+                        dense_ms[name.split("_")[0].lower()] = bench(graphed(dense_step))
                     except Exception as e:  # backend unavailable for this shape / GPU / GQA
                         print(f"S={S} B={b} dense {name}: skipped ({str(e).splitlines()[0][:80]})")
                 del q4, k, v
@@ -431,14 +748,14 @@ def run_decode():
                 for name, ms in dense_ms.items():
                     rows.append((S, b, "attention", f"dense sdpa {name}", ms, base / ms, S))
                 cache = nsa_attention.nsa_cache(b, S, HQ, H, D, cfg, device, dt)
-                _fill_random(cache)
+                fill_random(cache)
                 q = torch.randn(b, HQ, D, device=device, dtype=dt)
                 g = torch.softmax(torch.randn(b, HQ, 3, device=device), dim=-1)
                 pos = torch.full((b,), S - 1, device=device)
                 _, p, _ = decode_compressed(q, cache.k_cmp, cache.v_cmp, pos, cmp_block, cmp_stride, scale)
                 idx, _ = decode_select(p, pos, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local,
                                        cache.sel_score.shape[-1])
-                tri_cfg, ref_cfg = _decode_config(HQ, backend="triton"), _decode_config(HQ, backend="torch")
+                tri_cfg, ref_cfg = decode_config(HQ, backend="triton"), decode_config(HQ, backend="torch")
                 parts = {
                     "nsa decode (triton)": (lambda: nsa_attention.decode_attention(q, cache, pos, g, tri_cfg),
                                             sum(reads)),
@@ -452,138 +769,54 @@ def run_decode():
                                                                  scale), reads[1]),
                     "  ref window": (lambda: decode_window(q, cache.k_win, cache.v_win, pos, scale), reads[2])}
                 for name, (fn, n_read) in parts.items():
-                    replay = _graphed(fn)
+                    replay = graphed(fn)
                     ms = bench(replay)
                     rows.append((S, b, "attention", name, ms, base / ms, n_read))
-                    if profile and cuda and name == "nsa decode (triton)":
-                        _profile_decode(replay, S, b)
+                    if profile and name == "nsa decode (triton)":
+                        profile_decode(replay, S, b)
                 del cache, q, p, idx, parts
-                if cuda:
-                    torch.cuda.empty_cache()
+                free_memory()
                 # whole layer step: projections + cache writes + attention + output projection
                 layer_ms = {}
                 for name, cls in (("dense layer decode", DenseAttention), ("nsa layer decode", NSAAttention)):
                     layer = cls(cfg).to(device=device, dtype=dt).eval()
                     layer.setup_cache(b, S)
-                    _fill_random(layer.kv_cache)
+                    fill_random(layer.kv_cache)
                     x = torch.randn(b, 1, cfg.n_embd, device=device, dtype=dt)
-                    layer_ms[name] = bench(_graphed(lambda: layer.decode(x, pos)))
+                    layer_ms[name] = bench(graphed(lambda: layer.decode(x, pos)))
                     rows.append((S, b, "layer", name, layer_ms[name], layer_ms["dense layer decode"] / layer_ms[name],
                                  S if cls is DenseAttention else sum(reads)))
                     del layer, x
-                    if cuda:
-                        torch.cuda.empty_cache()
+                    free_memory()
     print(f"\ndecode step: HQ={HQ} H={H} D={D} l={cmp_block} d={cmp_stride} l'={sel_block} n={n_select} w={window} "
           f"{dtype}; speedup = fastest dense ms / ms (attention), dense layer ms / ms (layer); reads = tokens per KV "
-          f"group (SPEC.md)")
+          f"group (nsa_attention.py, \"Decode reads\")")
     print(f"{'S':>7} {'B':>3} {'what':<10} {'impl':<24} {'ms':>9} {'speedup':>8} {'reads':>7}")
     for S, b, what, name, ms, sp, n_read in rows:
         print(f"{S:>7} {b:>3} {what:<10} {name:<24} {ms:>9.4f} {sp:>8.2f} {n_read:>7}")
     write_csv(("S", "B", "what", "impl", "ms", "speedup", "reads"), rows)
 
 
-if mode == "decode":
-    run_decode()
-    raise SystemExit(0)
-
-
 # -----------------------------------------------------------------------------
-# mode = "selection" (sel_kernel.py's section): correctness at the smallest T, then the table, then an optional
-# launch-config sweep and per-kernel profile at the largest T
 
-rows = []
+def main():
+    modes = {"selection": run_selection, "layer": run_layer, "decode": run_decode}
+    if mode not in modes:
+        sys.exit(f"error: --mode must be one of {', '.join(modes)}, got {mode!r}")
+    if dtype not in ("float16", "bfloat16"):
+        sys.exit(f"error: --dtype must be float16 or bfloat16, got {dtype!r}")
+    if indices not in ("select", "random", "trained"):
+        sys.exit(f"error: --indices must be select, random or trained, got {indices!r}")
+    if indices != "select" and mode != "selection" and not (indices == "trained" and mode == "layer"):
+        sys.exit(f"error: --indices={indices} is not for --mode={mode}: the layer core selects its own blocks "
+                 f"(from random or, with trained, a model's q and k_cmp); decode fills its cache at random")
+    if indices == "trained" and not (ckpt and text):
+        sys.exit("error: --indices=trained needs --ckpt=<out_dir of a trained model> and --text=<prepared data dir>")
+    torch.manual_seed(seed)
+    print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu (Triton interpreter)'}; torch {torch.__version__}, "
+          f"triton {triton.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    modes[mode]()
 
 
-def add(T, impl, pass_, ms, flops, base=None):
-    rows.append(dict(T=T, impl=impl, pass_=pass_, ms=ms, tflops=flops / ms / 1e9 if ms else float("nan"),
-                     speedup=(base / ms) if base else float("nan")))
-
-
-def inputs(T):
-    q = torch.randn(B, T, HQ, D, device=device, dtype=dt)
-    k = torch.randn(B, T, H, D, device=device, dtype=dt)
-    v = torch.randn(B, T, H, Dv, device=device, dtype=dt)
-    return q, k, v, make_indices(T, q)
-
-
-if check:
-    T = seqlens[0]
-    q, k, v, idx = inputs(T)
-    f_ours, fb_ours = fwd_bwd(ours, q, k, v, idx)
-    f_ref, fb_ref = fwd_bwd(ref, q.float(), k.float(), v.float(), idx)
-    errs = [rel_rmse(a, b) for a, b in zip((f_ours(), *fb_ours()), (f_ref(), *fb_ref()))]
-    print(f"check T={T}: rel RMSE vs fp32 reference  o {errs[0]:.2e}  dq {errs[1]:.2e}  dk {errs[2]:.2e}  "
-          f"dv {errs[3]:.2e}  ({'ok' if max(errs) <= 1e-2 else 'FAIL'})")
-
-if cuda:  # the matmul ceiling of this GPU, measured in the same run
-    a, b = torch.randn(8192, 8192, device=device, dtype=dt), torch.randn(8192, 8192, device=device, dtype=dt)
-    peak = 2 * 8192 ** 3 / bench(lambda: a @ b) / 1e9
-    print(f"matmul 8192^3 {dtype}: {peak:.0f} TFLOP/s")
-    del a, b
-
-for T in seqlens:
-    q, k, v, idx = inputs(T)
-    sel_flops = 4 * B * T * HQ * (n_select * sel_block) * D  # every selected key counted (the issue's convention)
-    dense_flops = 4 * B * T * T * HQ * D / 2  # causal
-    f, fb = fwd_bwd(ours, q, k, v, idx)
-    base = {}
-    if dense:
-        qt, kt, vt = q.transpose(1, 2), k.repeat_interleave(HQ // H, 2).transpose(1, 2), v.repeat_interleave(HQ // H, 2).transpose(1, 2)
-        for name, fn in sdpa_backends().items():
-            try:
-                df, dfb = fwd_bwd(fn, qt, kt, vt)
-                add(T, f"dense {name}", "fwd", bench(df), dense_flops)
-                if backward:
-                    add(T, f"dense {name}", "fwd+bwd", bench(dfb), 3.5 * dense_flops)
-            except RuntimeError as e:  # backend not available for this shape / GPU
-                print(f"T={T} dense {name}: skipped ({str(e).splitlines()[0][:80]})")
-            torch.cuda.empty_cache()
-        del qt, kt, vt
-        base = {r["pass_"]: r["ms"] for r in rows if r["T"] == T and r["impl"] == "dense cudnn"}
-    add(T, "nsa selection (triton)", "fwd", bench(f), sel_flops, base.get("fwd"))
-    if backward:
-        add(T, "nsa selection (triton)", "fwd+bwd", bench(fb), 3.5 * sel_flops, base.get("fwd+bwd"))
-    if reference and T <= ref_max_T:
-        rf, rfb = fwd_bwd(ref, q, k, v, idx)
-        add(T, "nsa selection (torch ref)", "fwd", bench(rf), sel_flops, base.get("fwd"))
-        if backward:
-            add(T, "nsa selection (torch ref)", "fwd+bwd", bench(rfb), 3.5 * sel_flops, base.get("fwd+bwd"))
-    del q, k, v, idx, f, fb
-    if cuda:
-        torch.cuda.empty_cache()
-
-print(f"\nB={B} HQ={HQ} H={H} D={D} Dv={Dv} n={n_select} l'={sel_block} {dtype} indices={indices}; "
-      f"speedup = dense cuDNN ms / ms; selection TFLOP/s count 4*T*HQ*n*l'*D (x3.5 fwd+bwd)")
-print(f"{'T':>7} {'impl':<28} {'pass':<8} {'ms':>10} {'TFLOP/s':>8} {'speedup':>8}")
-for r in rows:
-    print(f"{r['T']:>7} {r['impl']:<28} {r['pass_']:<8} {r['ms']:>10.3f} {r['tflops']:>8.1f} {r['speedup']:>8.2f}")
-write_csv(list(rows[0]), [list(r.values()) for r in rows])
-
-if sweep or profile:
-    T = max(seqlens)
-    q, k, v, idx = inputs(T)
-    f, fb = fwd_bwd(ours, q, k, v, idx)
-if sweep:  # one kernel's variants at a time, the others at their defaults
-    default = {kname: dict(c) for kname, c in sel_kernel.CONFIG.items()}
-    grid = {"fwd": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
-            "dq": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
-            "dkv": [dict(rows=r, num_warps=w, num_stages=s) for r, w, s in ((64, 4, 2), (64, 4, 3), (128, 8, 2))]}
-    for kname, configs in grid.items():
-        for cfg in configs:
-            sel_kernel.CONFIG[kname] = cfg
-            desc = " ".join(f"{key}={val}" for key, val in cfg.items())
-            try:
-                ms = bench(f if kname == "fwd" else fb)
-                print(f"sweep T={T} HQ={HQ} H={H} {kname:<4} {desc}: {'fwd' if kname == 'fwd' else 'fwd+bwd'} {ms:.3f} ms")
-            except Exception as e:  # out of resources for this config
-                print(f"sweep T={T} HQ={HQ} H={H} {kname:<4} {desc}: failed ({str(e).splitlines()[0][:60]})")
-        sel_kernel.CONFIG[kname] = default[kname]
-if profile:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-    fb()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            fb()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+if __name__ == "__main__":
+    main()
