@@ -725,12 +725,16 @@ NEEDLE_NAMES = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf",
 KEY_DIGITS = 5  # the pass key: 5 random digits, each one byte token
 
 
+KEY_MARK = "#"  # written before the key and at the end of the question: a byte the corpus never holds, so the answer
+# is one induction step (the token after the earlier "#") rather than a match over "of NAME is "
+
+
 def needle_text(name, key):
-    return f"The pass key of {name} is {key}. Remember it. "
+    return f"The pass key of {name} is {KEY_MARK}{key}. Remember it. "
 
 
 def question_text(name):
-    return f"\nWhat is the pass key of {name}? The pass key of {name} is "
+    return f"\nWhat is the pass key of {name}? The pass key of {name} is {KEY_MARK}"
 
 
 def needle_min_length(count=1):
@@ -749,8 +753,8 @@ def _cyclic_slice(data, start, n):
 
 
 def needle_document(filler, length, depth, rng, count=1):
-    """One retrieval document: EOT, filler text with `count` needles in it ("The pass key of NAME is 12345.
-    Remember it. "), the question about the first needle ("\nWhat is the pass key of NAME? The pass key of NAME is ")
+    """One retrieval document: EOT, filler text with `count` needles in it ("The pass key of NAME is #12345.
+    Remember it. "), the question about the first needle ("\nWhat is the pass key of NAME? The pass key of NAME is #")
     and its answer ("12345.\n"). The prompt is the first `length` tokens; the asked needle starts at relative depth
     `depth` in [0, 1] of the filler (0: right after EOT, 1: right before the question; moved back to a word start),
     the others at random depths. filler: bytes, read from a random line start; rng: np.random.Generator.

@@ -77,7 +77,7 @@ def test_answers_are_where_the_marks_say(needle_dir, split):
         assert _text(row[ans + k:ans + k + 2]) == b".\n" and ((ans + k + 2) % 257 == 0 or row[ans + k + 2] == 256)
         needle = _text(row[start:key_pos + k]).rsplit(b"The pass key of ", 1)[1]   # b"NAME is 12345"
         name = needle.split(b" ")[0].decode()
-        assert needle == f"{name} is ".encode() + key
+        assert needle == f"{name} is {pd.KEY_MARK}".encode() + key
         assert _text(row[start:ans]).endswith(pd.question_text(name).encode())
 
 
@@ -94,7 +94,7 @@ def test_needle_document_depth_length_and_multi_needle():
     assert text.count(b"The pass key of ") == 4 and text.count(b"Remember it.") == 3
     asked = text[ans - 1:].split(b".")[0]
     name = text[:ans - 1].rsplit(b"The pass key of ", 1)[1].split(b" ")[0]
-    assert text.count(b"The pass key of " + name + b" is " + asked) == 2       # the needle and the answer
+    assert text.count(b"The pass key of " + name + b" is #" + asked) == 2       # the needle and the answer
     assert _text(tokens[key_pos:key_pos + pd.KEY_DIGITS]) == asked
     with pytest.raises(ValueError, match="needs length"):
         pd.needle_document(filler, 50, 0.5, rng)
