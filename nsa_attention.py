@@ -118,22 +118,25 @@ def attention_scores(q, k, allowed, scale):
 
 
 def softmax_weights(s, mask):
-    """The attention weights p = softmax(s) over the allowed keys: (B, H, C, G, S), all 0 for a query with none."""
+    """p = softmax(s) over the allowed keys, all 0 for a query with none: (B, H, C, G, S). Over the compressed keys
+    this is Eq. 8, the input of the block scores."""
     return torch.softmax(s, dim=-1).masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
 
 
 def attend(q, k, v, allowed, scale):
     """Eq. 2: o = softmax(scale * q k^T) v over the allowed keys. q (B, C, HQ, D), k (B, S, H, D), v (B, S, H, Dv),
-    allowed as in attention_scores. Returns o (B, C, HQ, Dv) (0 for a query with no allowed key), lse (B, C, HQ)
-    (-inf for it) and p (B, H, C, G, S), fp32 (fp64 for fp64 inputs)."""
-    s, mask = attention_scores(q, k, allowed, scale)
-    p = softmax_weights(s, mask)                                               # (B, H, C, G, S)
-    B, H, C, G, S = p.shape
+    allowed as in attention_scores. Returns o (B, C, HQ, Dv) and lse (B, C, HQ), fp32 (fp64 for fp64 inputs); a query
+    with no allowed key gets o = 0 and lse = -inf."""
+    s, mask = attention_scores(q, k, allowed, scale)                           # (B, H, C, G, S)
+    B, H, C, G, S = s.shape
     Dv = v.shape[-1]
-    o = p.view(B, H, C * G, S) @ v.to(p.dtype).transpose(1, 2)                 # (B, H, C*G, Dv)
-    o = o.view(B, H, C, G, Dv).permute(0, 2, 1, 3, 4).reshape(B, C, H * G, Dv)
-    lse = torch.logsumexp(s.detach(), dim=-1).masked_fill(~mask.any(dim=-1), float("-inf"))   # (B, H, C, G)
-    return o, lse.permute(0, 2, 1, 3).reshape(B, C, H * G), p
+    seen = mask.any(dim=-1)                                                    # (B|1, H|1, C, 1): the query has a key
+    p = torch.softmax(s, dim=-1)                                               # uniform where no key: o zeroed below
+    o = (p.view(B, H, C * G, S) @ v.to(p.dtype).transpose(1, 2)).view(B, H, C, G, Dv) * seen[..., None]
+    with torch.no_grad():  # lse = logsumexp(s) from the softmax at hand, max s - log max p: cheaper than recomputing
+        lse = s.amax(dim=-1) - p.amax(dim=-1).log() if S else s.new_zeros(B, H, C, G)   # (B, H, C, G)
+        lse = lse.masked_fill(~seen, float("-inf"))
+    return o.permute(0, 2, 1, 3, 4).reshape(B, C, H * G, Dv), lse.permute(0, 2, 1, 3).reshape(B, C, H * G)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -170,7 +173,7 @@ def compressed_branch(t0, q, k_cmp, v_cmp, cmp_block, cmp_stride, scale):
     v_cmp (B, Tc, H, Dv). Returns o (B, C, HQ, Dv) and lse (B, C, HQ)."""
     t = torch.arange(t0, t0 + q.shape[1], device=q.device)                    # (C,)
     seen = cmp_visible(t, k_cmp.shape[1], cmp_block, cmp_stride)               # (C, Tc)
-    return attend(q, k_cmp, v_cmp, seen[None, :, None], scale)[:2]
+    return attend(q, k_cmp, v_cmp, seen[None, :, None], scale)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -605,8 +608,9 @@ class NSAAttention(nn.Module):
         c, cfg, B = self.kv_cache, self.cfg, x.shape[0]
         l, d = cfg.cmp_block, cfg.cmp_stride
         rows = torch.arange(B, device=x.device)                                # (B,)
+        # the rows act as _project's T axis, so each gets RoPE at its own pos: q (B, HQ, D), the rest (B, H, D)
         q, k_raw, v_raw, k_slc, v_slc, k_win, v_win = (t[0] for t in self._project(x.transpose(0, 1), pos))
-        W = c.k_win.shape[2]                                                   # above: rows act as T, each (B, ., D)
+        W = c.k_win.shape[2]
         for buf, slot, new in ((c.k_slc, pos, k_slc), (c.v_slc, pos, v_slc), (c.k_win, pos % W, k_win),
                                (c.v_win, pos % W, v_win), (c.k_raw, pos % l, k_raw), (c.v_raw, pos % l, v_raw)):
             buf[rows, :, slot] = new
@@ -680,8 +684,9 @@ def ring_positions(length, size):
 def decode_compressed(q, k_cmp, v_cmp, pos, cmp_block, cmp_stride, scale):
     """The compressed branch at one position per row. q (B, HQ, D), k_cmp (B, H, Tc, D), v_cmp (B, H, Tc, Dv),
     pos (B,) int64. Returns o (B, HQ, Dv), p (B, H, G, Tc) (Eq. 8) and reads (B,): compressed tokens read."""
-    seen = cmp_visible(pos, k_cmp.shape[2], cmp_block, cmp_stride)            # (B, Tc)
-    o, _, p = attend(q[:, None], k_cmp.transpose(1, 2), v_cmp.transpose(1, 2), seen[:, None, None], scale)
+    q, k_cmp, seen = q[:, None], k_cmp.transpose(1, 2), cmp_visible(pos, k_cmp.shape[2], cmp_block, cmp_stride)
+    o, _ = attend(q, k_cmp, v_cmp.transpose(1, 2), seen[:, None, None], scale)   # (B, 1, HQ, Dv)
+    p = softmax_weights(*attention_scores(q, k_cmp, seen[:, None, None], scale))  # (B, H, 1, G, Tc)  Eq. 8
     return o[:, 0], p[:, :, 0], seen.sum(-1)
 
 
