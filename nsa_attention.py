@@ -684,10 +684,10 @@ def ring_positions(length, size):
 def decode_compressed(q, k_cmp, v_cmp, pos, cmp_block, cmp_stride, scale):
     """The compressed branch at one position per row. q (B, HQ, D), k_cmp (B, H, Tc, D), v_cmp (B, H, Tc, Dv),
     pos (B,) int64. Returns o (B, HQ, Dv), p (B, H, G, Tc) (Eq. 8) and reads (B,): compressed tokens read."""
-    q, k_cmp, seen = q[:, None], k_cmp.transpose(1, 2), cmp_visible(pos, k_cmp.shape[2], cmp_block, cmp_stride)
-    o, _ = attend(q, k_cmp, v_cmp.transpose(1, 2), seen[:, None, None], scale)   # (B, 1, HQ, Dv)
-    p = softmax_weights(*attention_scores(q, k_cmp, seen[:, None, None], scale))  # (B, H, 1, G, Tc)  Eq. 8
-    return o[:, 0], p[:, :, 0], seen.sum(-1)
+    seen = cmp_visible(pos, k_cmp.shape[2], cmp_block, cmp_stride)            # (B, Tc)
+    p = softmax_weights(*attention_scores(q[:, None], k_cmp.transpose(1, 2), seen[:, None, None], scale))[:, :, 0]
+    o = p @ v_cmp.to(p.dtype)                                                  # (B, H, G, Dv); p: (B, H, G, Tc) Eq. 8
+    return o.flatten(1, 2), p, seen.sum(-1)
 
 
 def decode_select(p, pos, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, num_blocks):
