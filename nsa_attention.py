@@ -181,8 +181,9 @@ def compressed_branch(t0, q, k_cmp, v_cmp, cmp_block, cmp_stride, scale):
 
 def cmp_to_sel_weights(Tc, nb, cmp_block, cmp_stride, sel_block, device):
     """Eq. 9: w(i, j) = |[i*d, i*d + l) ∩ [j*l', (j+1)*l')| / d, shape (Tc, nb) fp32 (1, 2, 2, 2, 1 by default)."""
-    s = torch.arange(Tc, device=device)[:, None] * cmp_stride                 # (Tc, 1) start of compressed block i
-    j = torch.arange(nb, device=device)[None, :] * sel_block                  # (1, nb) start of selection block j
+    i32 = dict(device=device, dtype=torch.int32)                              # exact, and half int64's work
+    s = torch.arange(Tc, **i32)[:, None] * cmp_stride                         # (Tc, 1) start of compressed block i
+    j = torch.arange(nb, **i32)[None, :] * sel_block                          # (1, nb) start of selection block j
     overlap = torch.minimum(s + cmp_block, j + sel_block) - torch.maximum(s, j)
     return overlap.clamp_min(0).float() / cmp_stride
 
