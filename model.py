@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nsa_attention import NSAAttention, check_heads, positions, rope, tokens_read_per_query, _check_cu_seqlens
-from nsa_attention import DecodeCache, _check_cache_input  # decode (issue 7)
+from nsa_attention import (DecodeCache, NSAAttention, check_cu_seqlens, check_heads, check_prefill, positions, rope,
+                           tokens_read_per_query)
 
 
 @dataclass
@@ -28,7 +28,7 @@ class GPTConfig:
     ignore_index: int = -1         # targets equal to this are left out of the loss
     dropout: float = 0.0           # on the embedding and each residual branch while training (off in eval/decode)
     rope_theta: float = 10000.0
-    # NSA (SPEC.md): l, d, l', n, forced blocks, w, gate activation, phi's hidden size, kernel backend
+    # NSA (the definition in nsa_attention.py): l, d, l', n, forced blocks, w, gate, phi's hidden size, kernels
     cmp_block: int = 32
     cmp_stride: int = 16
     sel_block: int = 64
@@ -71,44 +71,46 @@ class DenseAttention(nn.Module):
         self.wo = nn.Linear(HQ * self.D, C, bias=False)
 
     def forward(self, x, cu_seqlens=None):
+        return self._forward(x, cu_seqlens)[0]
+
+    def _forward(self, x, cu_seqlens):
+        """forward's output (B, T, C) and its keys (with RoPE) and values (B, T, H, D), which prefill caches."""
         B, T, C = x.shape
         pos = positions(cu_seqlens, T, x.device)                               # (T,)
         q = rope(self.wq(x).view(B, T, self.HQ, self.D), pos, self.theta)      # (B, T, HQ, D)
         k, v = self.wkv(x).view(B, T, 2, self.H, self.D).unbind(2)             # (B, T, H, D) each
         k = rope(k, pos, self.theta)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)      # (B, heads, T, D)
         if cu_seqlens is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            mask = None
         else:  # block-diagonal causal mask: same sequence and not in the future
             seq = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(T, device=x.device), right=True)
             mask = (seq[:, None] == seq[None, :]) & torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.wo(o.transpose(1, 2).reshape(B, T, C))                     # (B, T, C)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                           is_causal=mask is None, enable_gqa=True)   # (B, HQ, T, D)
+        return self.wo(o.transpose(1, 2).reshape(B, T, C)), k, v
 
-    # ---- decode (issue 7): static K/V cache, batched prefill, one-token step (same API as NSAAttention) ----
+    # -- decode: a static K/V cache, as NSAAttention's (same methods, nsa_attention.py's DecodeCache) --
 
     def setup_cache(self, batch_size, max_len, device=None, dtype=None):
         """Allocate a static K/V cache (B, H, max_len, D) for batch_size rows of up to max_len tokens."""
         w = self.wq.weight
         shape, dt = (batch_size, self.H, max_len, self.D), dtype or w.dtype
-        self.kv_cache = DecodeCache(device or w.device, k=(shape, dt), v=(shape, dt),
+        self.kv_cache = DecodeCache(batch_size, max_len, device or w.device, k=(shape, dt), v=(shape, dt),
                                     reads=((batch_size, self.H, 1), torch.int64))
 
     def prefill(self, x, lengths):
         """forward(x) for right-padded rows x (B, T, C) with lengths (B,); caches K/V of positions 0..T-1."""
         c = getattr(self, "kv_cache", None)
-        B, T, C = x.shape
-        _check_cache_input(c, B, T, lengths)
-        k, v = self.wkv(x).view(B, T, 2, self.H, self.D).unbind(2)             # (B, T, H, D) each
-        c.k[:, :, :T] = rope(k, torch.arange(T, device=x.device), self.theta).transpose(1, 2)
-        c.v[:, :, :T] = v.transpose(1, 2)
-        return self(x)
+        check_prefill(c, x.shape[0], x.shape[1], lengths)
+        out, k, v = self._forward(x, None)
+        c.k[:, :, :x.shape[1]], c.v[:, :, :x.shape[1]] = k.transpose(1, 2), v.transpose(1, 2)
+        return out
 
     def decode(self, x, pos):
         """One token per row: x (B, 1, C) at positions pos (B,) int64 -> (B, 1, C); reads (B, H, 1) = pos + 1."""
         c, B = self.kv_cache, x.shape[0]
         rows = torch.arange(B, device=x.device)                                # (B,)
-        q = rope(self.wq(x).view(1, B, self.HQ, self.D), pos, self.theta)[0]   # (B, HQ, D)
+        q = rope(self.wq(x).view(1, B, self.HQ, self.D), pos, self.theta)[0]   # (B, HQ, D): rows act as T for rope
         k, v = self.wkv(x[:, 0]).view(B, 2, self.H, self.D).unbind(1)          # (B, H, D) each
         c.k[rows, :, pos] = rope(k[None], pos, self.theta)[0]
         c.v[rows, :, pos] = v
@@ -164,7 +166,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():  # residual projections scaled down with depth (GPT-2)
             if name.endswith(("wo.weight", "w_out.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        for block in self.blocks:  # the NSA gate's last layer starts at zero (SPEC.md), whatever _init_weights did
+        for block in self.blocks:  # the NSA gate's last layer starts at zero ("Gate"), whatever _init_weights did
             if config.attn == "nsa":
                 nn.init.zeros_(block.attn.gate[-1].weight)
 
@@ -187,7 +189,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"targets must be (B, T) = {tuple(idx.shape)}, got {tuple(targets.shape)}")
-        _check_cu_seqlens(cu_seqlens, B, T, idx.device)
+        check_cu_seqlens(cu_seqlens, B, T, idx.device)
         x = F.dropout(self.wte(idx), self.config.dropout, self.training)       # (B, T, C)
         for block in self.blocks:
             x = block(x, cu_seqlens)
@@ -208,7 +210,7 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **({"fused": True} if fused else {}))
 
     def keys_per_query(self, T):
-        """Mean keys a query attends to at sequence length T: NSA counts what it really reads (SPEC.md)."""
+        """Mean keys a query attends to at sequence length T: NSA counts what it really reads (Table 4)."""
         c = self.config
         if c.attn == "dense":
             return (T + 1) / 2
@@ -225,7 +227,8 @@ class GPT(nn.Module):
         peak = peak_flops or peak_flops_of(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
         return self.flops_per_token(T) * tokens_per_iter / dt / peak if peak else 0.0
 
-    # ---- decode (issue 7): sample.py's path; each attention layer keeps a static cache (attn.kv_cache) ----
+    # -- decode (sample.py drives it): each attention layer keeps a static cache, attn.kv_cache (nsa_attention.py's
+    # decode section); prefill fills it from right-padded prompts, decode_step adds one token per row --
 
     def setup_cache(self, batch_size, max_len, device=None, dtype=None):
         """Allocate every layer's decode cache for batch_size rows of up to max_len tokens (prompt + new)."""
