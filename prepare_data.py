@@ -313,8 +313,13 @@ class TokenShards:
                 raise ValueError(f"{path} holds {len(tokens)} {h['tokenizer']} tokens, meta.json says "
                                  f"{entry['tokens']} {self.meta['tokenizer']} tokens: re-run prepare_data.py")
             self.shards.append(tokens)
-            if "loss_mask" in entry:  # uint8 per token, 0 = not a target (--dataset=needle: filler of a retrieval doc)
-                self.masks.append(np.load(os.path.join(data_dir, entry["loss_mask"]), mmap_mode="r"))
+            mask = None  # uint8 per token, 0 = not a target (--dataset=needle: the filler of a retrieval document)
+            if "loss_mask" in entry:
+                mask = np.load(os.path.join(data_dir, entry["loss_mask"]), mmap_mode="r")
+                if mask.shape != tokens.shape:
+                    raise ValueError(f"{entry['loss_mask']} in {data_dir} holds {len(mask)} entries for the "
+                                     f"{len(tokens)} tokens of {entry['file']}: re-run prepare_data.py")
+            self.masks.append(mask)
         self.num_tokens = sum(len(s) for s in self.shards)
 
     def check_block_size(self, block_size):
@@ -326,8 +331,8 @@ class TokenShards:
                              f"prepare more {self.split} data (--val_frac sets the val share)")
 
     def _windows(self, batch_size, block_size, generator):
-        """int64 numpy (B, T + 1): batch_size random windows of block_size + 1 tokens, each inside one shard, and
-        their loss masks, bool (B, T + 1) (all True without a mask file)."""
+        """x, y int64 numpy (B, T): batch_size random windows of block_size + 1 tokens, each inside one shard, as
+        inputs x and next tokens y (x shifted by one; -1, left out of the loss, where the shard's loss mask is 0)."""
         if batch_size < 1 or block_size < 1:
             raise ValueError(f"batch_size and block_size must be >= 1, got {batch_size}, {block_size}")
         if not isinstance(generator, torch.Generator):
@@ -342,15 +347,16 @@ class TokenShards:
         shard = np.searchsorted(starts, ix, side="right")  # (B,)
         offset = (ix - np.concatenate([[0], starts])[shard]) * row  # (B,)
         buf = np.stack([self.shards[s][o:o + block_size + 1] for s, o in zip(shard, offset)]).astype(np.int64)
-        if not self.masks:
-            return buf, np.ones(buf.shape, dtype=bool)
-        return buf, np.stack([self.masks[s][o:o + block_size + 1] for s, o in zip(shard, offset)]).astype(bool)
+        x, y = np.ascontiguousarray(buf[:, :-1]), np.ascontiguousarray(buf[:, 1:])  # (B, T), (B, T)
+        for b, (s, o) in enumerate(zip(shard, offset)):
+            if self.masks[s] is not None:
+                y[b, self.masks[s][o + 1:o + block_size + 1] == 0] = -1
+        return x, y
 
     def random_batch(self, batch_size, block_size, generator: torch.Generator):
         """x, y int64 (batch_size, block_size) on the CPU: random windows x and the next tokens y (x shifted by one;
         -1, left out of the loss, where the loss mask says so)."""
-        buf, keep = self._windows(batch_size, block_size, generator)  # (B, T + 1) each
-        x, y = np.ascontiguousarray(buf[:, :-1]), np.where(keep[:, 1:], buf[:, 1:], -1)  # (B, T), (B, T)
+        x, y = self._windows(batch_size, block_size, generator)  # (B, T), (B, T)
         return torch.from_numpy(x), torch.from_numpy(y)
 
     def doc_batch(self, batch_size, block_size, generator: torch.Generator):
@@ -361,8 +367,7 @@ class TokenShards:
         if batch_size * block_size >= 2**31:
             raise ValueError(f"batch_size * block_size must be < 2**31 for int32 cu_seqlens, "
                              f"got {batch_size * block_size}")
-        buf, keep = self._windows(batch_size, block_size, generator)  # (B, T + 1) each
-        x, y = np.ascontiguousarray(buf[:, :-1]), np.where(keep[:, 1:], buf[:, 1:], -1)  # (B, T), (B, T)
+        x, y = self._windows(batch_size, block_size, generator)  # (B, T), (B, T)
         is_start = x == self.eot  # (B, T)
         is_start[:, 0] = True
         cu_seqlens = np.append(np.flatnonzero(is_start), x.size).astype(np.int32)  # (N + 1,)

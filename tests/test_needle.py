@@ -198,3 +198,11 @@ def test_loss_mask_keeps_answers_and_plain_text(needle_dir):
     for _, start, _, ans in marks[(marks[:, 1] >= r0 * R) & (marks[:, 1] < (r0 + 1) * R)].tolist():
         inside = set(range(start, ans + pd.KEY_DIGITS + 2)) & counted
         assert inside == set(range(ans, ans + pd.KEY_DIGITS)) - {(r0 + 1) * R}
+
+
+def test_loss_mask_of_the_wrong_length_is_a_clear_error(corpus, tmp_path):
+    out = str(tmp_path / "needle")
+    pd.prepare_needle(out, corpus, **SMALL)
+    np.save(os.path.join(out, "loss_mask_train.npy"), np.ones(10, dtype=np.uint8))
+    with pytest.raises(ValueError, match="loss_mask_train.npy .* 10 entries"):
+        pd.TokenShards(out, "train")
