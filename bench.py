@@ -10,6 +10,7 @@ tiny smoke test in the Triton interpreter.
 """
 import contextlib
 import csv as csv_lib
+import io
 import os
 import sys
 import time
@@ -84,13 +85,14 @@ def bench(fn):
 
 
 def write_csv(header, rows):
-    """The printed table to --csv= (nothing when csv is ""), through a temp file so a crash leaves no half file."""
+    """The printed table to --csv= (nothing when csv is ""), atomically (prepare_data.atomic_write)."""
     if csv:
-        with open(csv + ".tmp", "w", newline="") as fh:
-            w = csv_lib.writer(fh)
-            w.writerow(header)
-            w.writerows(rows)
-        os.replace(csv + ".tmp", csv)
+        from prepare_data import atomic_write
+        table = io.StringIO()
+        w = csv_lib.writer(table)
+        w.writerow(header)
+        w.writerows(rows)
+        atomic_write(csv, lambda f: f.write(table.getvalue().encode()))
 
 
 def rel_rmse(a, b):

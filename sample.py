@@ -470,17 +470,17 @@ def plot_needle_heatmap(path, csv_paths, train_len):
         mean = sum(a for row in acc for a in row) / sum(len(row) for row in acc)
         ax.set(xlabel="context length (tokens)", ylabel="needle depth (%)", title=f"{name}: mean accuracy {mean:.2f}")
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
-    tmp = f"{path}.tmp{os.getpid()}"
-    fig.savefig(tmp, format="png", dpi=110)
+    from prepare_data import atomic_write
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def needle_main():
     """sample.py --needle=True: the evaluation of out_dir's model; writes <needle_out>.csv, .png (heatmap) and, for
     NSA, <needle_out>_selection.png (plot_selection_png of the depth-50% document at needle_plot_length)."""
     import csv
-    from prepare_data import KEY_DIGITS, load_meta, needle_min_length
+    import io
+    from prepare_data import KEY_DIGITS, atomic_write, load_meta, needle_min_length
     if not needle_lengths or min(needle_lengths) < needle_min_length(needle_count):
         raise ValueError(f"needle_lengths must be >= {needle_min_length(needle_count)} tokens for "
                          f"needle_count={needle_count}, got {needle_lengths}")
@@ -506,11 +506,11 @@ def needle_main():
     print(f"val answers, teacher-forced: {val['answers']} keys, loss {val['loss']:.4f} nats per digit, digit "
           f"accuracy {val['digit_acc']:.3f}, key accuracy {val['key_acc']:.3f}")
     rows, record = needle_grid(model, filler)
-    with open(prefix + ".csv.tmp", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(prefix + ".csv.tmp", prefix + ".csv")
+    table = io.StringIO()
+    w = csv.DictWriter(table, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write(prefix + ".csv", lambda f: f.write(table.getvalue().encode()))
     lengths = list(needle_lengths)
     print(f"\n{cfg.attn} accuracy (rows: depth %, columns: context length; {needle_trials} documents per cell)")
     print("depth " + "".join(f"{L:>7}" for L in lengths))
