@@ -342,7 +342,7 @@ class TokenShards:
         if row > 1 and block_size + 1 != row:
             raise ValueError(f"{self.data_dir} holds rows of {row} tokens (whole documents): train it with "
                              f"--block_size={row - 1}")
-        starts = np.cumsum([max(len(s) - block_size, 0) // row + (row > 1) for s in self.shards])  # cumulative
+        starts = np.cumsum([len(s) // row if row > 1 else max(len(s) - block_size, 0) for s in self.shards])
         ix = torch.randint(int(starts[-1]), (batch_size,), generator=generator).numpy()  # (B,)
         shard = np.searchsorted(starts, ix, side="right")  # (B,)
         offset = (ix - np.concatenate([[0], starts])[shard]) * row  # (B,)
