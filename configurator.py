@@ -1,8 +1,9 @@
 """Poor man's configurator (after nanoGPT): exec'd by train.py / sample.py / bench.py / prepare_data.py.
 `python train.py config/some_file.py --batch_size=32`: config files are exec'd, then --key=value overrides are
 literal_eval'd; every key must be an existing default global of the script and keep its type, else ValueError.
-_overrides records what was set ({key: origin}). A ValueError raised by this repo's code is a user error: the
-script ends with its message as one line `error: ...` and exit status 1; any other exception keeps its traceback."""
+_overrides records what was set ({key: origin}); check_choice(key=options) checks a setting against its options.
+A ValueError raised by this repo's code is a user error: the script ends with its message as one line `error: ...`
+and exit status 1; any other exception keeps its traceback."""
 import difflib
 import os
 import sys
@@ -47,6 +48,15 @@ def _cfg_set(key, val, origin):
     globals()[key] = val
     _overrides.pop(key, None)
     _overrides[key] = origin  # in the order set
+
+
+def check_choice(**options):
+    """For the scripts' own checks: each named setting must hold one of its options, else a ValueError such as
+    "dtype must be 'bfloat16', 'float16' or 'float32', got 'fp8'"."""
+    for key, allowed in options.items():
+        if globals()[key] not in allowed:
+            names = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
+            raise ValueError(f"{key} must be {names}, got {globals()[key]!r}")
 
 
 for _arg in sys.argv[1:]:

@@ -209,9 +209,13 @@ class GPT(nn.Module):
         fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **({"fused": True} if fused else {}))
 
-    def keys_per_query(self, T):
-        """Mean keys a query attends to at sequence length T: NSA counts what it really reads (Table 4)."""
+    def keys_per_query(self, T, cu_seqlens=None):
+        """Mean keys a query attends to at sequence length T: NSA counts what it really reads (Table 4). With
+        cu_seqlens (N + 1,), the mean over the queries of the packed sequences instead."""
         c = self.config
+        if cu_seqlens is not None:
+            lens = [n for n in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if n]
+            return sum(n * self.keys_per_query(n) for n in lens) / sum(lens)
         if c.attn == "dense":
             return (T + 1) / 2
         return tokens_read_per_query(T, c.cmp_block, c.cmp_stride, c.sel_block, c.n_select, c.window)
@@ -270,10 +274,15 @@ def peak_flops_of(device_name):
     return next((v for k, v in table.items() if k in device_name), 0.0)
 
 
-# ---- checkpoints, exports, NSA statistics and CPU threads: helpers of train.py and sample.py ----
+# ---- checkpoints, exports, the training log, NSA statistics and the machine: helpers of train.py and sample.py ----
 import contextlib  # noqa: E402
+import csv  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import resource  # noqa: E402
+
+from prepare_data import atomic_write  # noqa: E402
 
 
 def load_checkpoint(path, keys=("model_args", "model")):
@@ -335,7 +344,85 @@ def read_safetensors(path):
     return state
 
 
+def export_safetensors(model, out_dir, config_json):
+    """out_dir/model.safetensors (a tied lm_head.weight left out: config_json says tie_embeddings) and the dict
+    config_json as out_dir/config.json (the GPTConfig arguments sample.py rebuilds the model from), each atomically."""
+    tied = model.config.tie_embeddings
+    state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    path = os.path.join(out_dir, "model.safetensors")
+    info = dict(format="pt", source="nanoNSA train.py", step=str(config_json.get("step", "")))
+    atomic_write(path, lambda f: write_safetensors(f, state, info))
+    atomic_write(os.path.join(out_dir, "config.json"), lambda f: f.write(json.dumps(config_json, indent=1).encode()))
+    print(f"exported {path} and config.json")
+
+
 BRANCHES = ("cmp", "slc", "win")  # NSA's branches in the order of the gate's weights
+
+
+class TrainLog:
+    """train_log.csv of a run: a row per logged step (kind "train") and per evaluation ("eval"), missing columns
+    empty; an NSA model's rows also have nsa_stats' columns. plot() draws loss.png from it."""
+
+    def __init__(self, path, config, compare_dir=""):
+        self.path, self.png, self.compare_dir = path, os.path.join(os.path.dirname(path), "loss.png"), compare_dir
+        self.name, self.title = config.attn, f"{config.attn}, T={config.block_size}"
+        self.fields = ["kind", "step", "loss", "val_loss", "val_ppl", "lr", "grad_norm", "tokens_per_s", "mfu",
+                       "mem_gib", "keys_per_query"]
+        if config.attn == "nsa":
+            self.fields += [f"L{i}_{s}_{b}{m}" for i in range(config.n_layer) for b in BRANCHES
+                            for s, m in (("gate", "_mean"), ("gate", "_std"), ("share", ""))]
+
+    def append(self, **row):
+        new = not os.path.exists(self.path)
+        try:
+            with open(self.path, "a", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=self.fields)
+                if new:
+                    w.writeheader()
+                w.writerow(row)
+        except OSError as e:
+            raise ValueError(f"cannot write {self.path}: {e.strerror}") from e
+
+    def truncate(self, step):
+        """Keeps the rows of steps before `step` and its evaluation (a resumed run drops what a crashed run logged
+        after its last checkpoint)."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            rows = [r for r in csv.DictReader(f) if int(r["step"]) < step or (r["kind"] == "eval" and
+                                                                              int(r["step"]) == step)]
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=self.fields)
+        w.writeheader()
+        w.writerows(rows)
+        atomic_write(self.path, lambda f: f.write(buf.getvalue().encode()))
+
+    def plot(self):
+        """loss.png beside the log: train and val loss against steps, also those of compare_dir's train_log.csv
+        (another run, e.g. the dense twin) when it has one; skipped without matplotlib."""
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return
+        runs, other = [(self.path, self.name)], os.path.join(self.compare_dir, "train_log.csv")
+        if self.compare_dir and os.path.exists(other):
+            runs.append((other, os.path.basename(os.path.normpath(self.compare_dir))))
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for n, (path, label) in enumerate(runs):
+            with open(path) as f:
+                rows = list(csv.DictReader(f))
+            for kind, key, curve in (("train", "loss", "train (per step)"), ("eval", "val_loss", "val")):
+                pts = [(int(r["step"]), float(r[key])) for r in rows if r["kind"] == kind and r[key]]
+                if pts:
+                    ax.plot(*zip(*pts), label=f"{label} {curve}", marker="o" if kind == "eval" else None,
+                            color=f"C{2 * n + (kind == 'eval')}", alpha=1.0 if kind == "eval" else 0.5)
+        ax.set(xlabel="step", ylabel="loss (nats/token)", title=self.title)
+        ax.legend()
+        fig.tight_layout()
+        atomic_write(self.png, lambda f: fig.savefig(f, format="png", dpi=120))
+        plt.close(fig)
 
 
 @torch.no_grad()
@@ -365,6 +452,13 @@ def nsa_stats(model, x, cu_seqlens=None, autocast=contextlib.nullcontext()):
             stats[f"L{i}_gate_{name}_std"] = g[..., b].std().item()
             stats[f"L{i}_share_{name}"] = (norms[b] / norms.sum()).item()
     return stats
+
+
+def peak_memory_gib(device):
+    """Peak memory of this process so far: CUDA allocations on a CUDA device, else the peak RSS (Linux: KiB)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def cpu_threads():
