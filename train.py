@@ -1,13 +1,9 @@
 """Trains the GPT of model.py (NSA or dense attention) on the token shards of prepare_data.py, nanoGPT style.
 One process: `python train.py config/cpu_smoke.py`; DDP: `torchrun --nproc_per_node=2 train.py config/track_b_8k.py`.
 Writes out_dir/ckpt.pt (read by sample.py and init_from='resume'), train_log.csv, loss.png, model.safetensors."""
-import csv
 import functools
-import io
-import json
 import math
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -18,7 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from model import BRANCHES, GPT, GPTConfig, cpu_threads, load_checkpoint, nsa_stats, write_safetensors
+from model import GPT, GPTConfig, TrainLog, cpu_threads, export_safetensors, load_checkpoint, nsa_stats, peak_memory_gib
 from prepare_data import TokenShards, atomic_write
 
 # -----------------------------------------------------------------------------
@@ -79,22 +75,17 @@ min_lr = 1e-4  # learning rate after lr_decay_iters
 device = "auto"  # 'auto' (cuda if available) | 'cpu' | 'cuda' | 'cuda:1'
 dtype = "bfloat16"  # autocast dtype: 'bfloat16' | 'float16' (with GradScaler) | 'float32' (no autocast)
 compile = True  # torch.compile(model, dynamic=False, fullgraph=True) for training and eval
-compile_mode = "default"  # torch.compile mode; 'reduce-overhead' replays CUDA graphs (NSA's many small kernels at
-# T=1024 otherwise leave the GPU waiting for Python)
+compile_mode = "default"  # torch.compile mode; 'reduce-overhead' replays CUDA graphs (NSA's many small kernels)
 activation_checkpointing = False  # recompute each block in the backward: less memory, ~1/3 more compute
 # -----------------------------------------------------------------------------
 _config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
 config = {k: globals()[k] for k in _config_keys}  # what this run used, saved in the checkpoint
-if init_from not in ("scratch", "resume"):
-    raise ValueError(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
-if dtype not in ("bfloat16", "float16", "float32"):
-    raise ValueError(f"dtype must be 'bfloat16', 'float16' or 'float32', got {dtype!r}")
+check_choice(init_from=("scratch", "resume"), dtype=("bfloat16", "float16", "float32"),
+             compile_mode=("default", "reduce-overhead"))
 if min(batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every, save_every) < 1:
     raise ValueError("batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every and "
                      "save_every must be >= 1")
-if compile_mode not in ("default", "reduce-overhead"):
-    raise ValueError(f"compile_mode must be 'default' or 'reduce-overhead', got {compile_mode!r}")
 if doc_batches and batch_size * block_size >= 2**31:
     raise ValueError(f"doc_batches needs batch_size * block_size < 2**31, got {batch_size * block_size}")
 # out_dir: an earlier run's checkpoint and log are replaced only when asked; an unwritable out_dir fails here
@@ -156,15 +147,13 @@ train_gen = torch.Generator().manual_seed(seed)
 
 
 def get_batch(data, gen, mine=True):
-    """The next micro-batch of the shared stream on the device (mine=False: another rank's, only drawn to advance
-    gen): x, y (B, T) int64 and cu_seqlens None; or with doc_batches x, y (1, B*T) and cu_seqlens int32 (N + 1,),
-    under compile padded with empty sequences to a multiple of 32 entries (few shapes, few recompiles; eager skips
-    the padding, which costs the reference a loop step per empty sequence)."""
+    """The next micro-batch of the shared stream on the device (mine=False: another rank's, drawn to advance gen):
+    x, y (B, T) int64, cu_seqlens None; with doc_batches x, y (1, B*T), cu_seqlens int32 (N + 1,)."""
     x, y, cu = data.doc_batch(batch_size, block_size, gen) if doc_batches else (
         *data.random_batch(batch_size, block_size, gen), None)                 # (B, T) or (1, B*T); (N + 1,)
     if not mine:
         return None
-    if cu is not None and compile:
+    if cu is not None and compile:  # few shapes, few recompiles (eager skips it: the reference loops over sequences)
         cu = torch.cat([cu, cu[-1:].repeat(-len(cu) % 32)])                    # (32k,) trailing empty sequences
     if device_type == "cuda":
         return tuple(None if t is None else t.pin_memory().to(device, non_blocking=True) for t in (x, y, cu))
@@ -178,9 +167,7 @@ def next_batch(data, gen):
 
 # -----------------------------------------------------------------------------
 # model: from scratch, or from out_dir/ckpt.pt in its architecture (a setting that contradicts it is an error)
-model_keys = ["block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "attn", "tie_embeddings",
-              "rope_theta", "dropout", "cmp_block", "cmp_stride", "sel_block", "n_select", "n_init", "n_local",
-              "window", "gate", "cmp_hidden", "backend"]
+model_keys = [k for k in GPTConfig.__dataclass_fields__ if k in config]  # GPTConfig's fields that are settings here
 model_args = dict(vocab_size=meta["vocab_size"], **{k: globals()[k] for k in model_keys})
 iter_num, best_val_loss, ckpt = 0, float("inf"), None
 if init_from == "resume":
@@ -233,8 +220,7 @@ if ddp:
 
 
 def forward(x, y, cu):
-    """(logits, loss) of the training model. Under CUDA graphs each call starts a new graph step, which may overwrite
-    the last call's outputs: callers use each loss before the next call."""
+    """(logits, loss) of the training model; under CUDA graphs the next call may overwrite them (a new graph step)."""
     if compile and compile_mode == "reduce-overhead":
         torch.compiler.cudagraph_mark_step_begin()
     return model(x, y, cu)
@@ -269,95 +255,6 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
-# -----------------------------------------------------------------------------
-# observability helpers (rank 0): the CSV log, the loss plot, checkpoint and export (NSA statistics: model.py)
-
-
-def keys_per_query(cu):
-    """Mean keys a query reads in this batch: per packed sequence with cu_seqlens, else at T = block_size."""
-    if cu is None:
-        return raw_model.keys_per_query(block_size)
-    lens = (cu[1:] - cu[:-1]).tolist()
-    return sum(n * raw_model.keys_per_query(n) for n in lens if n) / sum(lens)
-
-
-log_fields = ["kind", "step", "loss", "val_loss", "val_ppl", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gib",
-              "keys_per_query"]
-if model_args["attn"] == "nsa":
-    log_fields += [f"L{i}_{s}_{b}{m}" for i in range(model_args["n_layer"]) for b in BRANCHES
-                   for s, m in (("gate", "_mean"), ("gate", "_std"), ("share", ""))]
-
-
-def log_row(**row):
-    """Appends one row to train_log.csv (rank 0); missing columns stay empty."""
-    new = not os.path.exists(log_path)
-    try:
-        with open(log_path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=log_fields)
-            if new:
-                w.writeheader()
-            w.writerow(row)
-    except OSError as e:
-        raise ValueError(f"cannot write {log_path}: {e.strerror}") from e
-
-
-def plot_losses():
-    """loss.png: train and val loss against steps, from train_log.csv; skipped without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    runs = [(log_path, model_args["attn"])]
-    if compare_dir and os.path.exists(os.path.join(compare_dir, "train_log.csv")):
-        runs.append((os.path.join(compare_dir, "train_log.csv"), os.path.basename(os.path.normpath(compare_dir))))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for n, (path, name) in enumerate(runs):
-        with open(path) as f:
-            rows = list(csv.DictReader(f))
-        for kind, key, label in (("train", "loss", "train (per step)"), ("eval", "val_loss", "val")):
-            pts = [(int(r["step"]), float(r[key])) for r in rows if r["kind"] == kind and r[key]]
-            if pts:
-                ax.plot(*zip(*pts), label=f"{name} {label}", marker="o" if kind == "eval" else None,
-                        color=f"C{2 * n + (kind == 'eval')}", alpha=1.0 if kind == "eval" else 0.5)
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{model_args['attn']}, T={block_size}")
-    ax.legend()
-    fig.tight_layout()
-    atomic_write(os.path.join(out_dir, "loss.png"), lambda f: fig.savefig(f, format="png", dpi=120))
-    plt.close(fig)
-
-
-def save_checkpoint():
-    """ckpt.pt, atomically: weights, optimizer, scaler, config, model args, step, RNG states and the data position."""
-    ckpt = dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                model_args=model_args, config=config, iter_num=iter_num, best_val_loss=best_val_loss,
-                tokenizer=meta["tokenizer"], eot=meta["eot"],
-                rng=dict(torch=torch.get_rng_state(), data=data_state,
-                         cuda=torch.cuda.get_rng_state_all() if device_type == "cuda" else []))
-    atomic_write(ckpt_path, functools.partial(torch.save, ckpt))
-    print(f"saved {ckpt_path} at step {iter_num}")
-    return iter_num
-
-
-def export_safetensors():
-    """model.safetensors (a tied lm_head.weight left out: config.json says tie_embeddings) + config.json."""
-    tied = model_args["tie_embeddings"]
-    state = {k: v for k, v in raw_model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    path = os.path.join(out_dir, "model.safetensors")
-    info = dict(format="pt", source="nanoNSA train.py", step=str(iter_num))
-    atomic_write(path, lambda f: write_safetensors(f, state, info))
-    cfg = dict(model_args, tokenizer=meta["tokenizer"], eot=meta["eot"], step=iter_num, architecture="nanoNSA GPT")
-    atomic_write(os.path.join(out_dir, "config.json"), lambda f: f.write(json.dumps(cfg, indent=1).encode()))
-    print(f"exported {path} and config.json")
-
-
-def memory_gib():
-    if device_type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS (Linux reports KiB)
-
-
 def fail(why):
     """Ends every rank; rank 0 prints one error line: what went wrong, the last good checkpoint, what to try."""
     if master:
@@ -372,18 +269,12 @@ def fail(why):
 # -----------------------------------------------------------------------------
 # training loop
 start_iter, resumed = iter_num, init_from == "resume"
+log = TrainLog(log_path, raw_model.config, compare_dir)  # train_log.csv and loss.png (rank 0)
 if master and not resumed:  # overwrite=True (else an error above): the earlier run's checkpoint and log go
     for path in earlier:
         os.remove(path)
-if master and resumed and os.path.exists(log_path):  # drop rows a crashed run wrote after its last checkpoint
-    with open(log_path) as f:
-        rows = [r for r in csv.DictReader(f) if int(r["step"]) < start_iter or (r["kind"] == "eval"
-                                                                               and int(r["step"]) == start_iter)]
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=log_fields)
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write(log_path, lambda f: f.write(buf.getvalue().encode()))
+if master and resumed:
+    log.truncate(start_iter)  # rows a crashed run wrote after its last checkpoint go
 data_state = train_gen.get_state()  # the data position of the batch held in X (what a checkpoint saves)
 X, Y, CU = next_batch(train_data, train_gen)
 saved_step = start_iter if resumed else -1  # the step of the last good checkpoint on disk (-1: none yet)
@@ -393,25 +284,32 @@ while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for group in optimizer.param_groups:
         group["lr"] = lr
-    if (iter_num % eval_every == 0 or iter_num >= max_iters or stop_reason) and not (resumed and iter_num == start_iter):
+    last = stop_reason or iter_num >= max_iters
+    if (iter_num % eval_every == 0 or last) and not (resumed and iter_num == start_iter):
         t_eval = time.time()
         losses = estimate_loss()
         t_log += time.time() - t_eval  # eval time is not training time
         if master:
-            best_val_loss = min(best_val_loss, losses["val"])
-            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, "
-                  f"val ppl {math.exp(min(losses['val'], 50)):.2f}")
-            log_row(kind="eval", step=iter_num, loss=f"{losses['train']:.6f}", val_loss=f"{losses['val']:.6f}",
-                    val_ppl=f"{math.exp(min(losses['val'], 50)):.4f}", lr=lr)
-            plot_losses()
+            best_val_loss, ppl = min(best_val_loss, losses["val"]), math.exp(min(losses["val"], 50))
+            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, val ppl {ppl:.2f}")
+            log.append(kind="eval", step=iter_num, loss=f"{losses['train']:.6f}", val_loss=f"{losses['val']:.6f}",
+                       val_ppl=f"{ppl:.4f}", lr=lr)
+            log.plot()
     if eval_only:
         break
-    if stop_reason or iter_num >= max_iters or (iter_num % save_every == 0 and iter_num > start_iter):
+    if last or (iter_num % save_every == 0 and iter_num > start_iter):
         if not all(p.isfinite().all() for p in raw_model.parameters()):  # the same on every rank
             fail(f"the weights are not finite at step {iter_num}, so {ckpt_path} was not written")
-        if master:
-            saved_step = save_checkpoint()
-    if stop_reason or iter_num >= max_iters:
+        if master:  # everything a bit-exact resume needs, the data position included
+            rng = dict(torch=torch.get_rng_state(), data=data_state,
+                       cuda=torch.cuda.get_rng_state_all() if device_type == "cuda" else [])
+            atomic_write(ckpt_path, functools.partial(torch.save, dict(
+                model=raw_model.state_dict(), optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                model_args=model_args, config=config, iter_num=iter_num, best_val_loss=best_val_loss,
+                tokenizer=meta["tokenizer"], eot=meta["eot"], rng=rng)))
+            print(f"saved {ckpt_path} at step {iter_num}")
+            saved_step = iter_num
+    if last:
         break
 
     # forward, backward, update: loss scaled by 1/accum, gradients all-reduced on the last micro-step only
@@ -449,19 +347,20 @@ while True:
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
+    # logging (rank 0): a line and a train_log.csv row; NSA statistics from an extra eager forward every diag_every
     diag_now = model_args["attn"] == "nsa" and diag_every > 0 and iter_num % diag_every == 0
     if master and (iter_num % log_every == 0 or diag_now):
         dt = (time.time() - t_log) / max(1, iter_num + 1 - last_log_iter)  # mean seconds per step since the last log
-        tok_s = tokens_per_iter / dt
+        tok_s, mem = tokens_per_iter / dt, peak_memory_gib(device)
         mfu = raw_model.estimate_mfu(tokens_per_iter // world, block_size, dt)
         row = dict(kind="train", step=iter_num, loss=f"{loss_f:.6f}", lr=f"{lr:.6g}", grad_norm=f"{norm_f:.4f}",
-                   tokens_per_s=f"{tok_s:.1f}", mfu=f"{mfu:.4f}", mem_gib=f"{memory_gib():.3f}",
-                   keys_per_query=f"{keys_per_query(CU_first):.1f}")
+                   tokens_per_s=f"{tok_s:.1f}", mfu=f"{mfu:.4f}", mem_gib=f"{mem:.3f}",
+                   keys_per_query=f"{raw_model.keys_per_query(block_size, CU_first):.1f}")
         if diag_now:
             row.update({k: f"{v:.4f}" for k, v in nsa_stats(raw_model, X_first, CU_first, ctx).items()})
-        log_row(**row)
+        log.append(**row)
         print(f"step {iter_num}: loss {loss_f:.4f}, lr {lr:.3g}, grad norm {norm_f:.3f}, "
-              f"{dt * 1000:.1f} ms/step, {tok_s:,.0f} tok/s, MFU {mfu * 100:.1f}%, mem {memory_gib():.2f} GiB")
+              f"{dt * 1000:.1f} ms/step, {tok_s:,.0f} tok/s, MFU {mfu * 100:.1f}%, mem {mem:.2f} GiB")
         t_log, last_log_iter = time.time(), iter_num + 1  # the next interval starts after logging and statistics
     iter_num += 1
     if flags[1].item() > 0:
@@ -472,7 +371,8 @@ while True:
                 os.remove(stop_path)  # consumed, so that init_from='resume' does not stop at once
 
 if master and export and not eval_only:
-    export_safetensors()
-    plot_losses()
+    export_safetensors(raw_model, out_dir, dict(model_args, tokenizer=meta["tokenizer"], eot=meta["eot"],
+                                                step=iter_num, architecture="nanoNSA GPT"))
+    log.plot()
 if ddp:
     dist.destroy_process_group()
