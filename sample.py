@@ -1,7 +1,7 @@
 """Sample from a trained model: loads out_dir/ckpt.pt (train.py) or model.safetensors + config.json, prefills the prompt
-into each layer's static decode cache (model.py, nsa_attention.py) and generates one token per step, printing sample 0
-as it comes and then tokens/s. `python sample.py --out_dir=out --start="ROMEO:"`; `--plot_selection=sel.png` draws
-which blocks NSA read at each step.
+into each layer's static decode cache (model.py, nsa_attention.py) and generates one token per step (decode(), the
+loop that the needle evaluation at the end drives too), printing sample 0 as it comes and then tokens/s.
+`python sample.py --out_dir=out --start="ROMEO:"`; `--plot_selection=sel.png` draws which blocks NSA read at each step.
 """
 import json
 import os
@@ -135,12 +135,64 @@ def sample_next(logits, temperature, top_k, top_p, generator):
 
 
 @torch.no_grad()
+def decode(model, tok, pos, steps, pick, how="eager", on_token=None, record=False):
+    """The decode loop of generate and needle_decode, over the caches that model.prefill filled: each step reads tok
+    (B,) at pos (B,) int64, and pick(logits (B, vocab)) gives the tokens (B,) that on_token(tokens) sees and the next
+    step reads. how: 'eager' | 'compile' (on CUDA a CUDA graph per step) | 'graph' (CUDA: one captured graph replayed
+    after the first step). Returns each step's tokens, the synced perf_counter times of the start, the end of the
+    first step (compilation, capture) and the end, and with record=True each NSA layer's (sel_idx, sel_score, gate,
+    reads, pos) of row 0 at every step, stacked on the CPU as plot_selection_png takes them (else None)."""
+    cuda, caches = tok.device.type == "cuda", [block.attn.kv_cache for block in model.blocks]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    tok, pos = tok.clone(), pos.clone()                                        # the steps' static inputs (B,), (B,)
+    step = model.decode_step
+    if how == "compile":
+        step = torch.compile(step, fullgraph=True, mode="reduce-overhead" if cuda else None)
+    out, rec = [], []
+    sync()
+    t0 = t1 = time.perf_counter()
+    for i in range(steps):
+        if how == "compile" and cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        out.append(pick(step(tok, pos)))                                       # (B,)
+        if on_token:  # the caches still hold this step's reads, blocks and gate
+            on_token(out[-1])
+        if record:
+            rec.append([[t[0].clone() for t in (c.sel_idx, c.sel_score, c.gate, c.reads)] + [pos[0].clone()]
+                        for c in caches])
+        tok.copy_(out[-1])
+        pos.add_(1)
+        if i == 0:
+            if how == "graph" and cuda:
+                step = captured_step(model, tok, pos)
+            sync()
+            t1 = time.perf_counter()
+    sync()
+    t2 = time.perf_counter()
+    rec = [[torch.stack([r[i][k] for r in rec]).cpu() for k in range(5)] for i in range(len(caches))] if rec else None
+    return out, (t0, t1, t2), rec
+
+
+def captured_step(model, tok, pos):
+    """model.decode_step on the static tok, pos as one captured CUDA graph (its replay and logits), else itself."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):                                          # records the step, runs nothing
+            logits = model.decode_step(tok, pos)
+        return lambda tok, pos: graph.replay() or logits
+    except RuntimeError as e:
+        print(f"note: CUDA graph capture failed ({e}); timing eager steps")
+        return model.decode_step
+
+
+@torch.no_grad()
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, generator=None, compile=False,
              record_layer=-1, on_token=None):
     """Sample max_new_tokens after each prompt (a list of token-id lists, lengths may differ: right-padded prefill
-    with per-row positions). Returns (new tokens (B, max_new_tokens) on the CPU, stats dict); with record_layer >= 0
-    stats["record"] holds that layer's sel_idx, sel_score, gate and reads of row 0 at every decode step.
-    on_token(tokens) is called with each step's new tokens (B,) as soon as they are sampled (a host sync each)."""
+    with per-row positions), the first from the prefill's logits, the others by decode(). Returns (new tokens
+    (B, max_new_tokens) on the CPU, stats dict); with record_layer >= 0 stats["record"] holds that layer's sel_idx,
+    sel_score, gate, reads and pos of row 0 at every decode step. on_token(tokens) is called with each step's new
+    tokens (B,) as soon as they are sampled (a host sync each)."""
     dev = model.lm_head.weight.device
     B, T = len(prompts), max(len(p) for p in prompts)
     idx = torch.zeros(B, T, dtype=torch.long)
@@ -148,40 +200,19 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0
         idx[b, :len(p)] = torch.tensor(p, dtype=torch.long)
     idx, lengths = idx.to(dev), torch.tensor([len(p) for p in prompts], device=dev)   # (B, T), (B,)
     model.setup_cache(B, T + max_new_tokens)
-    step = model.decode_step
-    if compile:
-        step = torch.compile(step, fullgraph=True, mode="reduce-overhead" if dev.type == "cuda" else None)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    logits = model.prefill(idx, lengths)[torch.arange(B, device=dev), lengths - 1]   # (B, vocab)
-    out, rec = [sample_next(logits, temperature, top_k, top_p, generator)], []
+    pick = lambda logits: sample_next(logits, temperature, top_k, top_p, generator)  # noqa: E731
+    t_start = time.perf_counter()
+    first = pick(model.prefill(idx, lengths)[torch.arange(B, device=dev), lengths - 1])   # (B,)
     if on_token:
-        on_token(out[-1])
-    sync()
-    t1 = t2 = time.perf_counter()
-    pos = lengths
-    for i in range(max_new_tokens - 1):
-        if dev.type == "cuda" and compile:
-            torch.compiler.cudagraph_mark_step_begin()
-        logits = step(out[-1], pos)                                            # (B, vocab)
-        out.append(sample_next(logits, temperature, top_k, top_p, generator))
-        if on_token:
-            on_token(out[-1])
-        if record_layer >= 0:
-            c = model.blocks[record_layer].attn.kv_cache
-            rec.append([t[0].clone() for t in (c.sel_idx, c.sel_score, c.gate, c.reads)] + [pos[0].clone()])
-        pos = pos + 1
-        if i == 0:
-            sync()
-            t2 = time.perf_counter()                                           # after the first step (and compilation)
-    new = torch.stack(out, dim=1).cpu()                                        # (B, max_new_tokens)
-    t3 = time.perf_counter()
+        on_token(first)
+    out, (t0, t1, t2), rec = decode(model, first, lengths, max_new_tokens - 1, pick, "compile" if compile else "eager",
+                                    on_token, record_layer >= 0)
     steps = max(0, max_new_tokens - 2)
-    stats = dict(prefill_s=t1 - t0, first_step_s=t2 - t1, steps=steps, decode_s=t3 - t2,
-                 tokens_per_s=B * steps / (t3 - t2) if steps else 0.0)
+    stats = dict(prefill_s=t0 - t_start, first_step_s=t1 - t0, steps=steps, decode_s=t2 - t1,
+                 tokens_per_s=B * steps / (t2 - t1) if steps else 0.0)
     if record_layer >= 0:
-        stats["record"] = [torch.stack([r[k] for r in rec]).cpu() for k in range(5)] if rec else None
-    return new, stats
+        stats["record"] = rec[record_layer] if rec else None
+    return torch.stack([first] + out, dim=1).cpu(), stats                     # (B, max_new_tokens)
 
 
 def print_row0(tok, prompt):
@@ -317,48 +348,20 @@ def needle_decode(model, prompts, steps, record=False):
     tokens, so the first decode step (the answer step) reads the last prompt token and predicts the first answer
     token. On CUDA the later steps replay one captured CUDA graph. Returns (tokens (B, steps) on the CPU, the answer
     step's selected blocks (n_layer, B, H, n) for NSA else None, its reads (n_layer, B, H, branches), seconds of the
-    steps - 1 timed steps, and with record=True each layer's (sel_idx, sel_score, gate, reads, pos) of row 0 at
-    every step, stacked as plot_selection_png takes them)."""
-    dev, nsa = model.lm_head.weight.device, model.config.attn == "nsa"
+    steps - 1 timed steps, and with record=True decode()'s record of row 0 at every step)."""
     B, L = prompts.shape
     model.setup_cache(B, L + steps)
-    lengths = torch.full((B,), L - 1, dtype=torch.long, device=dev)
+    lengths = torch.full((B,), L - 1, dtype=torch.long, device=prompts.device)
     model.prefill(prompts[:, :-1], lengths)
-    tok, pos = prompts[:, -1].clone(), lengths.clone()                         # the step's static inputs (B,), (B,)
-    caches = [block.attn.kv_cache for block in model.blocks]
-    rec = []
+    nsa, answer = model.config.attn == "nsa", []
 
-    def keep():
-        if record:
-            rec.append([[t[0].clone() for t in (c.sel_idx, c.sel_score, c.gate, c.reads)] + [pos[0].clone()]
-                        for c in caches])
-
-    out = [model.decode_step(tok, pos).argmax(-1)]                             # the answer step, eager: (B,)
-    sel = torch.stack([c.sel_idx for c in caches]).cpu() if nsa else None      # (n_layer, B, H, n)
-    reads = model.decode_reads().cpu()                                         # (n_layer, B, H, branches)
-    keep()
-    step = lambda: model.decode_step(tok, pos)
-    if dev.type == "cuda":
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):                                      # records the step, runs nothing
-                logits = model.decode_step(tok, pos)
-            step = lambda: graph.replay() or logits
-        except RuntimeError as e:
-            print(f"note: CUDA graph capture failed ({e}); timing eager steps")
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps - 1):
-        tok.copy_(out[-1])
-        pos.add_(1)
-        out.append(step().argmax(-1))
-        keep()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    stacked = [[torch.stack([r[i][k] for r in rec]).cpu() for k in range(5)] for i in range(len(caches))] if record \
-        else None
-    return torch.stack(out, dim=1).cpu(), sel, reads, seconds, stacked
+    def at_answer(tokens):                                                     # the first step: every row's reads
+        if not answer:
+            answer.append(torch.stack([b.attn.kv_cache.sel_idx for b in model.blocks]).cpu() if nsa else None)
+            answer.append(model.decode_reads().cpu())
+    out, (_, t1, t2), rec = decode(model, prompts[:, -1], lengths, steps, lambda logits: logits.argmax(-1), "graph",
+                                   at_answer, record)
+    return torch.stack(out, dim=1).cpu(), *answer, t2 - t1, rec
 
 
 @torch.no_grad()
