@@ -273,14 +273,13 @@ def plot_selection_png(path, record, config, layer, group, mark_block=-1):
 
 
 def main():
+    check_choice(dtype=("float32", "bfloat16", "float16"))
     if needle:
         return needle_main()
     if max_new_tokens < 1 or num_samples < 1:
         raise ValueError(f"max_new_tokens and num_samples must be >= 1, got {max_new_tokens}, {num_samples}")
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1, got {temperature}, {top_k}, {top_p}")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if torch.device(device).type == "cpu":
         torch.set_num_threads(cpu_threads())
     torch.manual_seed(seed)
