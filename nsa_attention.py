@@ -112,7 +112,8 @@ def attention_scores(q, k, allowed, scale):
     G = HQ // H
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     qh = q.to(dt).view(B, C, H, G, D).permute(0, 2, 1, 3, 4).reshape(B, H, C * G, D)   # (B, H, C*G, D)
-    s = (qh @ k.to(dt).permute(0, 2, 3, 1)).view(B, H, C, G, S) * scale       # (B, H, C, G, S)
+    with torch.autocast(q.device.type, enabled=False):                         # fp32 scores under autocast too
+        s = (qh @ k.to(dt).permute(0, 2, 3, 1)).view(B, H, C, G, S) * scale   # (B, H, C, G, S)
     mask = allowed.permute(0, 2, 1, 3)[:, :, :, None, :]                       # (B|1, H|1, C, 1, S)
     return s.masked_fill(~mask, torch.finfo(dt).min), mask
 
@@ -132,7 +133,8 @@ def attend(q, k, v, allowed, scale):
     Dv = v.shape[-1]
     seen = mask.any(dim=-1)                                                    # (B|1, H|1, C, 1): the query has a key
     p = torch.softmax(s, dim=-1)                                               # uniform where no key: o zeroed below
-    o = (p.view(B, H, C * G, S) @ v.to(p.dtype).transpose(1, 2)).view(B, H, C, G, Dv) * seen[..., None]
+    with torch.autocast(q.device.type, enabled=False):
+        o = (p.view(B, H, C * G, S) @ v.to(p.dtype).transpose(1, 2)).view(B, H, C, G, Dv) * seen[..., None]
     with torch.no_grad():  # lse = logsumexp(s) from the softmax at hand, max s - log max p: cheaper than recomputing
         lse = s.amax(dim=-1) - p.amax(dim=-1).log() if S else s.new_zeros(B, H, C, G)   # (B, H, C, G)
         lse = lse.masked_fill(~seen, float("-inf"))

@@ -32,6 +32,19 @@ def test_shapes_untrained_loss_and_learning(attn):
     assert model(idx, targets)[1].item() < math.log(257) - 1.0                # it memorises the fixed batch
 
 
+def test_reference_nsa_under_autocast():
+    """The PyTorch reference under bf16 autocast (backend='torch' on CPU, or on a GPU without the kernels): scores in
+    fp32, masked with fp32's minimum, finite output and gradients close to the fp32 run."""
+    model = tiny("nsa")
+    idx = torch.randint(0, 257, (2, 70), generator=torch.Generator().manual_seed(1))
+    ref = model(idx, idx)[1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(idx, idx)[1]
+    loss.backward()
+    assert abs(loss.item() - ref.item()) < 0.05
+    assert all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+
+
 def test_ignore_index_drops_targets():
     model = tiny("dense")
     idx = torch.randint(0, 257, (1, 20))
