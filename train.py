@@ -22,7 +22,9 @@ from prepare_data import TokenShards, atomic_write
 # I/O
 out_dir = "out"  # checkpoints, train_log.csv, loss.png, model.safetensors + config.json
 data_dir = "data/shakespeare_byte"  # written by prepare_data.py: train_*.bin, val_*.bin, meta.json
-init_from = "scratch"  # 'scratch' | 'resume' (continues out_dir/ckpt.pt bit for bit, in its architecture)
+init_from = "scratch"  # 'scratch' | 'resume' (continues out_dir/ckpt.pt bit for bit, in its architecture) | the path
+# of another run's ckpt.pt: a new run from its weights and architecture, with this run's block_size, data and schedule
+# (the next stage of a length curriculum: config/needle_nsa.py)
 overwrite = False  # let init_from='scratch' replace the ckpt.pt and train_log.csv of an earlier run in out_dir
 eval_every = 250  # steps between evaluations of train/val loss
 eval_iters = 20  # batches per evaluation (the same batches every time, split over the ranks)
@@ -81,7 +83,7 @@ activation_checkpointing = False  # recompute each block in the backward: less m
 _config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
 config = {k: globals()[k] for k in _config_keys}  # what this run used, saved in the checkpoint
-check_choice(init_from=("scratch", "resume"), dtype=("bfloat16", "float16", "float32"),
+check_choice(dtype=("bfloat16", "float16", "float32"),
              compile_mode=("default", "reduce-overhead"))
 if min(batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every, save_every) < 1:
     raise ValueError("batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every and "
@@ -91,7 +93,7 @@ if doc_batches and batch_size * block_size >= 2**31:
 # out_dir: an earlier run's checkpoint and log are replaced only when asked; an unwritable out_dir fails here
 ckpt_path, log_path, stop_path = (os.path.join(out_dir, f) for f in ("ckpt.pt", "train_log.csv", "STOP"))
 earlier = [path for path in (ckpt_path, log_path) if os.path.exists(path)]
-if init_from == "scratch" and earlier and not overwrite:
+if init_from != "resume" and earlier and not overwrite:
     raise ValueError(f"{earlier[0]} is from an earlier run: continue it with --init_from=resume, choose another "
                      f"--out_dir, or pass --overwrite=True to replace it")
 try:
@@ -154,7 +156,8 @@ def get_batch(data, gen, mine=True):
     if not mine:
         return None
     if cu is not None and compile:  # few shapes, few recompiles (eager skips it: the reference loops over sequences)
-        cu = torch.cat([cu, cu[-1:].repeat(-len(cu) % 32)])                    # (32k,) trailing empty sequences
+        n = max(32, 1 << (len(cu) - 1).bit_length())                            # 32, 64, 128, ...: the next power of 2
+        cu = torch.cat([cu, cu[-1:].repeat(n - len(cu))])                      # (n,) trailing empty sequences
     if device_type == "cuda":
         return tuple(None if t is None else t.pin_memory().to(device, non_blocking=True) for t in (x, y, cu))
     return tuple(None if t is None else t.to(device) for t in (x, y, cu))
@@ -170,23 +173,30 @@ def next_batch(data, gen):
 model_keys = [k for k in GPTConfig.__dataclass_fields__ if k in config]  # GPTConfig's fields that are settings here
 model_args = dict(vocab_size=meta["vocab_size"], **{k: globals()[k] for k in model_keys})
 iter_num, best_val_loss, ckpt = 0, float("inf"), None
-if init_from == "resume":
-    ckpt = load_checkpoint(ckpt_path, ("model", "model_args", "optimizer", "scaler", "iter_num", "best_val_loss",
-                                       "rng"))
+if init_from != "scratch":
+    resume = init_from == "resume"
+    start_path = ckpt_path if resume else init_from
+    if not resume and not os.path.isfile(start_path):
+        raise ValueError(f"init_from={init_from!r} is neither 'scratch', 'resume' nor a checkpoint file: train that "
+                         f"run first, or fix the path")
+    ckpt = load_checkpoint(start_path, ("model", "model_args") + (
+        ("optimizer", "scaler", "iter_num", "best_val_loss", "rng") if resume else ()))
     saved = ckpt["model_args"]
+    own = ("backend",) if resume else ("backend", "block_size")  # what this run decides, not the checkpoint
     clash = [f"{k}={globals()[k]!r} (the checkpoint has {saved[k]!r})" for k in model_keys
-             if k in _overrides and k != "backend" and globals()[k] != saved[k]]
+             if k in _overrides and k not in own and globals()[k] != saved[k]]
     if clash:
-        raise ValueError(f"init_from='resume' continues {ckpt_path} in its architecture, but this run sets "
-                         f"{', '.join(clash)}: drop those settings, or train a new model in another out_dir")
+        raise ValueError(f"init_from={init_from!r} continues {start_path} in its architecture, but this run sets "
+                         f"{', '.join(clash)}: drop those settings, or train a new model from scratch")
     if saved["vocab_size"] != meta["vocab_size"]:
         raise ValueError(f"{ckpt_path} was trained on {ckpt.get('tokenizer')} tokens (vocab {saved['vocab_size']}) "
                          f"but data_dir={data_dir!r} holds {meta['tokenizer']} tokens (vocab {meta['vocab_size']}): "
                          f"resume with the checkpoint's --data_dir={ckpt.get('config', {}).get('data_dir')!r}")
-    model_args.update({k: v for k, v in saved.items() if k != "backend"})  # backend: this machine's
+    model_args.update({k: v for k, v in saved.items() if k not in own})
     block_size = model_args["block_size"]  # the batches' length too
     config.update({k: model_args[k] for k in model_keys})
-    iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+    if resume:
+        iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
 for data in (train_data, val_data):  # both splits up front: val is first read after the whole first train eval
     data.check_block_size(block_size)
 model = GPT(GPTConfig(**model_args))
@@ -204,14 +214,14 @@ if master:
 # optimizer (fused AdamW on CUDA), GradScaler for float16, then compile and DDP wrap (raw_model stays uncompiled)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
-if ckpt is not None:
+if init_from == "resume":
     optimizer.load_state_dict(ckpt["optimizer"])
     scaler.load_state_dict(ckpt["scaler"])
     torch.set_rng_state(ckpt["rng"]["torch"])
     if device_type == "cuda" and ckpt["rng"]["cuda"]:
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
     train_gen.set_state(ckpt["rng"]["data"])
-    ckpt = None  # free the memory
+ckpt = None  # free the memory
 raw_model = model
 if compile:
     model = torch.compile(model, dynamic=False, fullgraph=True, mode=compile_mode)

@@ -258,6 +258,24 @@ def test_an_earlier_run_is_replaced_only_when_asked(full_run, data_dir, tmp_path
     assert [r["step"] for r in log_rows(tmp_path, "eval")] == ["0"]
 
 
+def test_init_from_a_checkpoint_starts_a_new_run_at_another_length(full_run, data_dir, tmp_path, train_here):
+    """A length curriculum's next stage: another run's weights and architecture, this run's block_size, step 0."""
+    out = str(tmp_path / "stage2")
+    train(data_dir, out, f"--init_from={full_run}/ckpt.pt", "--block_size=128", "--max_iters=0")
+    ckpt, before = load_ckpt(out), load_ckpt(full_run)
+    assert ckpt["iter_num"] == 0 and ckpt["model_args"]["block_size"] == 128
+    assert {k: v for k, v in ckpt["model_args"].items() if k != "block_size"} == \
+        {k: v for k, v in before["model_args"].items() if k != "block_size"}
+    for name, t in before["model"].items():
+        assert torch.equal(ckpt["model"][name], t), name
+    assert float(log_rows(out, "eval")[0]["val_loss"]) < float(log_rows(full_run, "eval")[0]["val_loss"]) - 0.5
+    with pytest.raises(ValueError, match=r"continues .*ckpt.pt in its architecture, but this run sets n_layer=4 "
+                                         r"\(the checkpoint has 2\)"):
+        train_here(data_dir, tmp_path / "other", f"--init_from={full_run}/ckpt.pt", "--n_layer=4")
+    with pytest.raises(ValueError, match=r"init_from='nope.pt' is neither 'scratch', 'resume' nor a checkpoint file"):
+        train_here(data_dir, tmp_path / "other", "--init_from=nope.pt")
+
+
 def gpt2_like_data(root, n=4096):
     """A data dir of random GPT-2 token ids in prepare_data.py's format (no tokenizer needed)."""
     from prepare_data import FORMAT_VERSION, write_shard
