@@ -729,7 +729,8 @@ needle_train_tokens = 24_000_000  # needle: train tokens, rounded up to whole ro
 needle_val_tokens = 1_000_000  # needle: val tokens, rounded up to whole rows
 needle_min_len = 256  # needle: shortest document in tokens; lengths are log-uniform up to a whole row
 needle_max_docs = 7  # needle: most documents in a row (bounds the sequences of a doc_batches batch: fewer shapes)
-needle_plain_frac = 0.1  # needle: fraction of documents that are plain filler text (no needle, no question)
+needle_plain_frac = 0.0  # needle: fraction of documents that are plain filler text (no needle, no question), every
+# token a target: they would outnumber the answer digits about 50 to 1, so the default trains on retrieval alone
 needle_loss = "answers"  # needle: targets of a retrieval document: 'answers' (its key's digits) | 'all' (every token)
 needle_multi_frac = 0.0  # needle: fraction of retrieval documents with 2..needle_max_count needles (distinct names)
 needle_max_count = 4  # needle: most needles in one document
@@ -738,7 +739,8 @@ needle_seed = 1337  # needle: seed of the generator (filler offsets, lengths, de
 NEEDLE_NAMES = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "kilo", "lima",
                 "mike", "november", "oscar", "papa", "quebec", "sierra", "tango", "uniform", "victor", "whiskey",
                 "xray", "yankee", "zulu")  # whose pass key: the NATO alphabet without the two Shakespeare names
-KEY_DIGITS = 5  # the pass key: 5 random digits, each one byte token
+KEY_DIGITS = 5  # the pass key: 5 distinct random digits, each one byte token, so that each digit of the answer is one
+# induction step from the digit before it (the token after its one earlier occurrence), as the first is from "#"
 
 
 KEY_MARK = "#"  # written before the key and at the end of the question: a byte the corpus never holds, so the answer
@@ -780,7 +782,7 @@ def needle_document(filler, length, depth, rng, count=1):
         raise ValueError(f"a needle document with {count} needle(s) needs length >= {needle_min_length(count)}, "
                          f"got {length}")
     names = [NEEDLE_NAMES[i] for i in rng.choice(len(NEEDLE_NAMES), count, replace=False)]
-    keys = ["".join(str(x) for x in rng.integers(0, 10, KEY_DIGITS)) for _ in range(count)]
+    keys = ["".join(str(x) for x in rng.permutation(10)[:KEY_DIGITS]) for _ in range(count)]
     needles = [needle_text(n, k).encode() for n, k in zip(names, keys)]
     question = question_text(names[0]).encode()
     n_fill = length - 1 - sum(len(x) for x in needles) - len(question)
@@ -853,7 +855,7 @@ def needle_answers(data_dir, split):
 
 def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_dir="~/.cache/nanonsa", timeout=30.0,
                    force=False, block_size=8192, train_tokens=24_000_000, val_tokens=1_000_000, min_len=256,
-                   max_docs=7, plain_frac=0.1, multi_frac=0.0, max_count=4, seed=1337, loss="answers"):
+                   max_docs=7, plain_frac=0.0, multi_frac=0.0, max_count=4, seed=1337, loss="answers"):
     """Write the needle dataset (byte tokens) to out_dir: rows of block_size + 1 tokens back to back in one shard per
     split, and meta "row_tokens", so that every training window of train.py at T = block_size is one whole row of
     whole documents; answers_<split>.npy with the

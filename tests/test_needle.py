@@ -18,7 +18,7 @@ from nsa_attention import decode_reads
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(ROOT, "sample.py")
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
-SMALL = dict(block_size=256, min_len=128, train_tokens=20_000, val_tokens=3_000)  # rows of 257 tokens
+SMALL = dict(block_size=256, min_len=128, train_tokens=20_000, val_tokens=3_000, plain_frac=0.1)  # rows of 257 tokens
 DIGITS = set(b"0123456789")
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -74,6 +74,7 @@ def test_answers_are_where_the_marks_say(needle_dir, split):
         key = _text(row[key_pos:key_pos + k])
         assert row[start] == 256 and 256 not in row[start + 1:ans + k + 2]    # one document from EOT to the answer
         assert set(key) <= DIGITS and _text(row[ans:ans + k]) == key           # the answer is the needle's key
+        assert len(set(key)) == k                                              # distinct digits: one induction step each
         assert _text(row[ans + k:ans + k + 2]) == b".\n" and ((ans + k + 2) % 257 == 0 or row[ans + k + 2] == 256)
         needle = _text(row[start:key_pos + k]).rsplit(b"The pass key of ", 1)[1]   # b"NAME is 12345"
         name = needle.split(b" ")[0].decode()
