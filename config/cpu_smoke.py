@@ -1,6 +1,7 @@
 # python train.py config/cpu_smoke.py
 # A few seconds on 2 CPU cores: the tiny NSA model (model.PRESETS["tiny"] dims at T=128) on byte-level Shakespeare.
-# Used by the README quickstart and tests/test_train.py; leaves out-cpu-smoke/ckpt.pt for sample.py.
+# Used by the README quickstart, tests/test_train.py and config/needle_smoke.py; leaves out-cpu-smoke/ckpt.pt for
+# sample.py.
 out_dir = "out-cpu-smoke"
 data_dir = "data/shakespeare_byte"
 eval_every = 15

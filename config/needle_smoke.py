@@ -6,34 +6,18 @@
 # Seconds on a CPU: the needle pipeline end to end (data, training, evaluation) at the tiny sizes of cpu_smoke.py.
 # Twenty steps do not learn the pass key (config/needle_nsa_1k.py does, on a GPU): the point is that every piece
 # runs (tests/test_needle.py).
+exec(open("config/cpu_smoke.py").read())  # its model: 2 layers, width 64; l=8, d=4, l'=16, n=4, w=32
 out_dir = "out-needle-smoke"
 data_dir = "data/needle_smoke_byte"
 eval_every = 10
 eval_iters = 2
-log_every = 5
 diag_every = 10
 save_every = 10
 # data: 2 rows of 256 tokens per step, each a run of whole documents; attention stops at document starts
 batch_size = 2
 block_size = 256
 doc_batches = True
-# model: 2 layers, width 64, 4 query / 2 KV heads; NSA blocks scaled to T=256 (l=8, d=4, l'=16, n=4, w=32)
-n_layer = 2
-n_head = 4
-n_kv_head = 2
-n_embd = 64
-cmp_block = 8
-cmp_stride = 4
-sel_block = 16
-n_select = 4
-window = 32
-cmp_hidden = 32
 # optimizer: 20 steps
-learning_rate = 3e-3
 max_iters = 20
-warmup_iters = 5
 lr_decay_iters = 20
-min_lr = 3e-4
-# system: float32 and eager (doc_batches on the PyTorch reference cannot be compiled)
-dtype = "float32"
-compile = False
+# (float32 and eager, as cpu_smoke.py: doc_batches on the PyTorch reference cannot be compiled)
