@@ -72,20 +72,44 @@ def _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT, H: tl.c
 
 
 @triton.jit
+def _query_tile(q, idx, pos, i_t, i_h, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                D: tl.constexpr, BD: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr):
+    """Tile i_t of BT tokens x the G heads of kv head i_h: each row's token inside the tile, row mask, token offset
+    and head (tile_rows), position and sequence start, the Q tile [M, BD] and the tokens' block ids [M, BNS]."""
+    p_r = tl.arange(0, BT * BG) // BG                     # [M] token of each row inside the tile
+    t_r = i_t * BT + p_r                                  # [M] global token
+    m_t = t_r < NT
+    m_r, t_off, hq_r = tile_rows(t_r, m_t, i_h, H, G, BG, BT)
+    rel_r = tl.load(pos + t_r, mask=m_t, other=0)                          # [M] positions inside the sequences
+    o_s = tl.arange(0, BNS)
+    b_idx = tl.load(idx + (t_r.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :],
+                    mask=m_t[:, None] & (o_s < NS)[None, :], other=-1)      # [M, BNS]
+    return p_r, m_r, t_off, hq_r, rel_r, t_r - rel_r, load_rows(q, t_off + hq_r, m_r, D, BD), b_idx
+
+
+@triton.jit
+def _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h, H: tl.constexpr, D: tl.constexpr,
+                DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
+    """Keys kc .. kc + BK - 1 of selected block j (positions j*l' + kc .. of the sequence starting at token bos),
+    read by the rows m_row up to their own positions rel_r (rel_max: the largest of them): K [BK, BD], V [BK, BDV],
+    the scaled scores [M, BK] and where they count."""
+    u = j * BS + kc + tl.arange(0, BK)                                      # [BK] key positions (relative)
+    m_k = (kc + tl.arange(0, BK) < BS) & (u >= 0) & (u <= rel_max)          # none when no row uses j
+    k_off = (bos + u).to(tl.int64) * H + i_h
+    b_k = load_rows(k, k_off, m_k, D, BD)                                   # [BK, BD]
+    b_v = load_rows(v, k_off, m_k, DV, BDV)                                 # [BK, BDV]
+    b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                           # [M, BK]
+    return b_k, b_v, b_s, m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])  # causal inside the block
+
+
+@triton.jit
 def _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
                H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                BS: tl.constexpr, BK: tl.constexpr):
-    """The keys of selected block j (positions j*l' .. j*l' + l' - 1 of the sequence starting at token bos) in
-    BK-steps, read by the rows m_row up to their own positions rel_r (rel_max: the largest of them)."""
-    o_k = tl.arange(0, BK)
+    """The online softmax over the keys of selected block j in BK-steps."""
     for kc in tl.static_range(0, BS, BK):
-        u = j * BS + kc + o_k                                               # [BK] key positions (relative)
-        m_k = (kc + o_k < BS) & (u >= 0) & (u <= rel_max)                   # none when no row uses j
-        k_off = (bos + u).to(tl.int64) * H + i_h
-        b_k = load_rows(k, k_off, m_k, D, BD)                               # [BK, BD]
-        b_v = load_rows(v, k_off, m_k, DV, BDV)                             # [BK, BDV]
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
-        m_s = m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])  # causal inside the block
+        _, b_v, b_s, m_s = _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h,
+                                       H, D, DV, BD, BDV, BS, BK)
         m_i, l_i, acc = softmax_step(tl.where(m_s, b_s, float("-inf")), b_v, m_i, l_i, acc)
     return m_i, l_i, acc
 
@@ -97,16 +121,8 @@ def _sel_fwd_kernel(q, k, v, o, lse, idx, pos, scale_log2, NT,
                     BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     M: tl.constexpr = BT * BG
-    p_r = tl.arange(0, M) // BG                           # [M] token of each row inside the tile
-    t_r = i_t * BT + p_r                                  # [M] global token
-    m_t = t_r < NT
-    m_r, t_off, hq_r = tile_rows(t_r, m_t, i_h, H, G, BG, BT)
-    rel_r = tl.load(pos + t_r, mask=m_t, other=0)                          # [M] positions inside the sequences
-    bos_r = t_r - rel_r                                                     # [M] sequence starts
-    b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                            # [M, BD]
-    o_s = tl.arange(0, BNS)
-    b_idx = tl.load(idx + (t_r.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :],
-                    mask=m_t[:, None] & (o_s < NS)[None, :], other=-1)      # [M, BNS]
+    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, BG, BT, D, BD,
+                                                                  NS, BNS)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BDV], tl.float32)
@@ -137,15 +153,9 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_m
               H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
               BS: tl.constexpr, BK: tl.constexpr):
     """dq over the keys of selected block j, as _fwd_inner walks them."""
-    o_k = tl.arange(0, BK)
     for kc in tl.static_range(0, BS, BK):
-        u = j * BS + kc + o_k
-        m_k = (kc + o_k < BS) & (u >= 0) & (u <= rel_max)                   # none when no row uses j
-        k_off = (bos + u).to(tl.int64) * H + i_h
-        b_k = load_rows(k, k_off, m_k, D, BD)
-        b_v = load_rows(v, k_off, m_k, DV, BDV)
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
-        m_s = m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])
+        b_k, b_v, b_s, m_s = _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h,
+                                         H, D, DV, BD, BDV, BS, BK)
         b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
         b_dp = tl.dot(b_do, tl.trans(b_v))                                  # [M, BK]
         b_ds = b_p * (b_dp - b_delta[:, None])
@@ -160,19 +170,11 @@ def _sel_bwd_dq_kernel(q, k, v, do, lse, delta, dq, idx, pos, scale_log2, scale,
                        BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     M: tl.constexpr = BT * BG
-    p_r = tl.arange(0, M) // BG
-    t_r = i_t * BT + p_r
-    m_t = t_r < NT
-    m_r, t_off, hq_r = tile_rows(t_r, m_t, i_h, H, G, BG, BT)
-    rel_r = tl.load(pos + t_r, mask=m_t, other=0)                          # [M] positions inside the sequences
-    bos_r = t_r - rel_r                                                     # [M] sequence starts
-    b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                            # [M, BD]
+    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, BG, BT, D, BD,
+                                                                  NS, BNS)
     b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                        # [M, BDV]
     b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.)                 # [M]
     b_delta = tl.load(delta + t_off + hq_r, mask=m_r, other=0.)             # [M]
-    o_s = tl.arange(0, BNS)
-    b_idx = tl.load(idx + (t_r.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :],
-                    mask=m_t[:, None] & (o_s < NS)[None, :], other=-1)      # [M, BNS]
     b_dq = tl.zeros([M, BD], tl.float32)
     for f in range(BT * NS):
         j, bos, m_row, rel_max = _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT,
