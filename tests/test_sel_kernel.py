@@ -182,10 +182,15 @@ def test_no_unwritten_outputs_nan_poison(path, monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
-    out, ref = run_both(1, 33, 6, 2, 32, 32, 4, 16, torch.float32, seed=4)  # G = 3: rows g >= G masked
-    q, k, v = randn((1, 33, 6, 32), (1, 33, 2, 32), (1, 33, 2, 32), seed=4)
-    _, lse = fwd_lse(q, k, v, random_indices(1, 33, 2, 4, 16, seed=4), 16)
+    q, k, v, do = randn((1, 33, 6, 32), (1, 33, 2, 32), (1, 33, 2, 32), (1, 33, 6, 32), seed=4)  # G = 3: rows
+    idx = random_indices(1, 33, 2, 4, 16, seed=4)                                                # g >= G masked
+    qk = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = fwd_lse(*qk, idx, 16)
+    out = (o, *torch.autograd.grad(o, qk, do))
     monkeypatch.undo()
+    qr = [x.double().requires_grad_() for x in (q, k, v)]
+    o_ref = nsa_attention.selection_attention(*qr, idx, 16, backend="torch")
+    ref = (o_ref, *torch.autograd.grad(o_ref, qr, do.double()))
     assert torch.isfinite(lse).all()
     for name, a, b in zip(("o", "dq", "dk", "dv"), out, ref):
         assert torch.isfinite(a).all(), f"{name} has unwritten (NaN) elements"
