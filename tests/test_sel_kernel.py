@@ -139,6 +139,28 @@ def test_key_path_same_o_and_lse_as_query_path(G, path, monkeypatch):
             assert rel_rmse(a, b) <= 1e-5, f"{fwd_path} fwd, {bwd_path} bwd, {name}: rel RMSE {rel_rmse(a, b):.2e}"
 
 
+@pytest.mark.parametrize("path", ["key"], indirect=True)
+def test_key_path_fp16_partials_near_query_path_error(path, monkeypatch):
+    """The key path stores its o and dq partials in the input dtype: in fp16 its errors against the fp64 reference
+    stay near the query path's, also with keys that share a large component (the blocks' dq partials cancel)."""
+    B, T, HQ, H, D, n, l = 1, 40, 2, 1, 32, 3, 16
+    q, k, v, do = randn((B, T, HQ, D), (B, T, H, D), (B, T, H, D), (B, T, HQ, D), seed=17)
+    k = k + 3 * randn((D,), seed=18)[0]
+    q, k, v, do = (x.half() for x in (q, k, v, do))
+    idx = random_indices(B, T, H, n, l, seed=17)
+    qr = [x.double().requires_grad_() for x in (q, k, v)]
+    o_ref = nsa_attention.selection_attention(*qr, idx, l, backend="torch")
+    ref = (o_ref, *torch.autograd.grad(o_ref, qr, do.double()))
+    err = {}
+    for p in ("key", "query"):
+        monkeypatch.setitem(sel_kernel.CONFIG, "path", p)
+        qk = [x.clone().requires_grad_() for x in (q, k, v)]
+        o = sel_kernel.selection_attention_triton(*qk, idx, l)
+        err[p] = [rel_rmse(a, b) for a, b in zip((o, *torch.autograd.grad(o, qk, do)), ref)]
+    for name, e_key, e_query in zip(("o", "dq", "dk", "dv"), err["key"], err["query"]):
+        assert e_key <= 1.5 * e_query, f"{name}: key path rel RMSE {e_key:.2e}, query path {e_query:.2e}"
+
+
 def test_varlen_matches_reference_and_separate_runs(path):
     cu = torch.tensor([0, 13, 13, 50, 77], dtype=torch.int32)  # an empty sequence, lengths not multiples of l'
     out, ref = run_both(1, 77, 4, 2, 32, 32, 3, 16, torch.float32, cu_seqlens=cu, seed=1)
