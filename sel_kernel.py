@@ -119,6 +119,7 @@ def _sel_fwd_kernel(q, k, v, o, lse, idx, pos, scale_log2, NT,
                     H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
                     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                     BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
+    """o and the base-2 lse of tile i_t of BT tokens x the G heads of kv head i_h, over the tokens' selected blocks."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     M: tl.constexpr = BT * BG
     p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, BG, BT, D, BD,
@@ -168,14 +169,14 @@ def _sel_bwd_dq_kernel(q, k, v, do, lse, delta, dq, idx, pos, scale_log2, scale,
                        H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
+    """dq of tile i_t of BT tokens x the G heads of kv head i_h, walking the blocks as the forward does."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    M: tl.constexpr = BT * BG
     p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, BG, BT, D, BD,
                                                                   NS, BNS)
     b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                        # [M, BDV]
     b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.)                 # [M]
     b_delta = tl.load(delta + t_off + hq_r, mask=m_r, other=0.)             # [M]
-    b_dq = tl.zeros([M, BD], tl.float32)
+    b_dq = tl.zeros([BT * BG, BD], tl.float32)                             # [M, BD], M = BT * BG rows
     for f in range(BT * NS):
         j, bos, m_row, rel_max = _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT,
                                             H, BT, BS, NS, BNS, UNION)
