@@ -82,8 +82,9 @@ CPU_CASES = {
     "G2-lsel48-T100-fp32": (1, 100, 2, 1, 32, 32, 2, 48, torch.float32),
     "G1-D160-2subblocks-T70-fp32": (1, 70, 2, 2, 160, 32, 3, 64, torch.float32),
 }
-CPU_RUNS = [(path, name) for name in CPU_CASES for path in ("query", "key")
-            if path == "key" or "subblocks" not in name]  # the sub-blocks split the key-centric forward only
+# G = 16 on the query path only (the key path is for small G); sub-blocks on the key path only (its forward splits)
+NOT_ON = {"key": {"G16-D32-Dv64-T30-fp16"}, "query": {"G1-D160-2subblocks-T70-fp32"}}
+CPU_RUNS = [(path, name) for name in CPU_CASES for path in ("query", "key") if name not in NOT_ON[path]]
 
 
 @pytest.mark.parametrize("path,case", [(path, CPU_CASES[name]) for path, name in CPU_RUNS], indirect=["path"],
@@ -143,7 +144,7 @@ def test_key_path_same_o_and_lse_as_query_path(G, path, monkeypatch):
 def test_key_path_fp16_partials_near_query_path_error(path, monkeypatch):
     """The key path stores its o and dq partials in the input dtype: in fp16 its errors against the fp64 reference
     stay near the query path's, also with keys that share a large component (the blocks' dq partials cancel)."""
-    B, T, HQ, H, D, n, l = 1, 40, 2, 1, 32, 3, 16
+    B, T, HQ, H, D, n, l = 1, 34, 2, 1, 32, 3, 16
     q, k, v, do = randn((B, T, HQ, D), (B, T, H, D), (B, T, H, D), (B, T, HQ, D), seed=17)
     k = k + 3 * randn((D,), seed=18)[0]
     q, k, v, do = (x.half() for x in (q, k, v, do))
