@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_kernels import (attention_op, head_sizes, load_rows, pack, sequences, softmax_finish, softmax_step,
-                         store_rows, tile_rows)
+from nsa_kernels import (attention_op, head_sizes, load_rows, pack, sequences, softmax_finish, softmax_rescale,
+                         softmax_step, store_rows, tile_rows)
 
 # Layout of the work (NT = all packed tokens, H kv heads, G = HQ / H query heads per kv head, l' = sel_block, n slots):
 # - forward and dq: query-centric. One program = BT consecutive tokens x the G heads of one kv group (a [BT*BG, D] Q
@@ -20,7 +20,8 @@ from nsa_kernels import (attention_op, head_sizes, load_rows, pack, sequences, s
 #   builds the reverse index (which tokens selected each block, ascending) in O(NT*H*n) memory; each list is cut
 #   into chunks of CHUNK_ROWS query rows so block 0 (selected by every token) does not serialise the launch; each
 #   chunk writes an fp32 partial dK/dV tile and a reduction kernel adds a block's partials in chunk order. No atomics.
-# - CONFIG["path"] = "key" (or "auto" at small G): a key-centric forward and dq instead, in the last section.
+# - CONFIG["path"] = "key" (or "auto" at small G): a key-centric forward instead (its own section), whose backward is
+#   the dk/dv kernel writing dq partials too (no query-centric dq pass).
 # - ids are cleaned once on the host side (torch ops, no sync): out of [0, t // l'] or repeated -> -1.
 # The file reads: inner loops -> kernels -> host launchers (_fwd, _bwd) -> ops -> selection_attention_triton.
 
@@ -32,10 +33,12 @@ CONFIG = {
     "fwd": dict(rows=16, union=False, num_warps=4, num_stages=2),
     "dq": dict(rows=16, union=False, num_warps=2, num_stages=2),
     "dkv": dict(rows=64, num_warps=4, num_stages=3),
-    "path": "auto",  # "query" (above), "key" (key-centric section at the end) or "auto": _key_path's rule by shape
+    "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by shape
     "key_fwd": dict(rows=64, chunk_rows=1024, num_warps=8, num_stages=2),  # chunk_rows: query rows per program
-    "key_bwd": dict(rows=64, num_warps=8, num_stages=3),
+    "key_bwd": dict(rows=64, num_warps=8, num_stages=3),  # the dk/dv kernel on the key path (dq partials too)
 }
+KEY_MAX_G = 4          # "auto" takes the key-centric path for G = HQ / H up to this (RESULTS.md, "Selection paths") ...
+KEY_MIN_TOKENS = 4096  # ... and at least this many packed tokens (below, the reverse-index sort and launches show)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -69,20 +72,44 @@ def _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT, H: tl.c
 
 
 @triton.jit
+def _query_tile(q, idx, pos, i_t, i_h, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                D: tl.constexpr, BD: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr):
+    """Tile i_t of BT tokens x the G heads of kv head i_h: each row's token inside the tile, row mask, token offset
+    and head (tile_rows), position and sequence start, the Q tile [M, BD] and the tokens' block ids [M, BNS]."""
+    p_r = tl.arange(0, BT * BG) // BG                     # [M] token of each row inside the tile
+    t_r = i_t * BT + p_r                                  # [M] global token
+    m_t = t_r < NT
+    m_r, t_off, hq_r = tile_rows(t_r, m_t, i_h, H, G, BG, BT)
+    rel_r = tl.load(pos + t_r, mask=m_t, other=0)                          # [M] positions inside the sequences
+    o_s = tl.arange(0, BNS)
+    b_idx = tl.load(idx + (t_r.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :],
+                    mask=m_t[:, None] & (o_s < NS)[None, :], other=-1)      # [M, BNS]
+    return p_r, m_r, t_off, hq_r, rel_r, t_r - rel_r, load_rows(q, t_off + hq_r, m_r, D, BD), b_idx
+
+
+@triton.jit
+def _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h, H: tl.constexpr, D: tl.constexpr,
+                DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
+    """Keys kc .. kc + BK - 1 of selected block j (positions j*l' + kc .. of the sequence starting at token bos),
+    read by the rows m_row up to their own positions rel_r (rel_max: the largest of them): K [BK, BD], V [BK, BDV],
+    the scaled scores [M, BK] and where they count."""
+    u = j * BS + kc + tl.arange(0, BK)                                      # [BK] key positions (relative)
+    m_k = (kc + tl.arange(0, BK) < BS) & (u >= 0) & (u <= rel_max)          # none when no row uses j
+    k_off = (bos + u).to(tl.int64) * H + i_h
+    b_k = load_rows(k, k_off, m_k, D, BD)                                   # [BK, BD]
+    b_v = load_rows(v, k_off, m_k, DV, BDV)                                 # [BK, BDV]
+    b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                           # [M, BK]
+    return b_k, b_v, b_s, m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])  # causal inside the block
+
+
+@triton.jit
 def _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
                H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                BS: tl.constexpr, BK: tl.constexpr):
-    """The keys of selected block j (positions j*l' .. j*l' + l' - 1 of the sequence starting at token bos) in
-    BK-steps, read by the rows m_row up to their own positions rel_r (rel_max: the largest of them)."""
-    o_k = tl.arange(0, BK)
+    """The online softmax over the keys of selected block j in BK-steps."""
     for kc in tl.static_range(0, BS, BK):
-        u = j * BS + kc + o_k                                               # [BK] key positions (relative)
-        m_k = (kc + o_k < BS) & (u >= 0) & (u <= rel_max)                   # none when no row uses j
-        k_off = (bos + u).to(tl.int64) * H + i_h
-        b_k = load_rows(k, k_off, m_k, D, BD)                               # [BK, BD]
-        b_v = load_rows(v, k_off, m_k, DV, BDV)                             # [BK, BDV]
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
-        m_s = m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])  # causal inside the block
+        _, b_v, b_s, m_s = _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h,
+                                       H, D, DV, BD, BDV, BS, BK)
         m_i, l_i, acc = softmax_step(tl.where(m_s, b_s, float("-inf")), b_v, m_i, l_i, acc)
     return m_i, l_i, acc
 
@@ -92,18 +119,11 @@ def _sel_fwd_kernel(q, k, v, o, lse, idx, pos, scale_log2, NT,
                     H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
                     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                     BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
+    """o and the base-2 lse of tile i_t of BT tokens x the G heads of kv head i_h, over the tokens' selected blocks."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     M: tl.constexpr = BT * BG
-    p_r = tl.arange(0, M) // BG                           # [M] token of each row inside the tile
-    t_r = i_t * BT + p_r                                  # [M] global token
-    m_t = t_r < NT
-    m_r, t_off, hq_r = tile_rows(t_r, m_t, i_h, H, G, BG, BT)
-    rel_r = tl.load(pos + t_r, mask=m_t, other=0)                          # [M] positions inside the sequences
-    bos_r = t_r - rel_r                                                     # [M] sequence starts
-    b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                            # [M, BD]
-    o_s = tl.arange(0, BNS)
-    b_idx = tl.load(idx + (t_r.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :],
-                    mask=m_t[:, None] & (o_s < NS)[None, :], other=-1)      # [M, BNS]
+    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, BG, BT, D, BD,
+                                                                  NS, BNS)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BDV], tl.float32)
@@ -134,15 +154,9 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_m
               H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
               BS: tl.constexpr, BK: tl.constexpr):
     """dq over the keys of selected block j, as _fwd_inner walks them."""
-    o_k = tl.arange(0, BK)
     for kc in tl.static_range(0, BS, BK):
-        u = j * BS + kc + o_k
-        m_k = (kc + o_k < BS) & (u >= 0) & (u <= rel_max)                   # none when no row uses j
-        k_off = (bos + u).to(tl.int64) * H + i_h
-        b_k = load_rows(k, k_off, m_k, D, BD)
-        b_v = load_rows(v, k_off, m_k, DV, BDV)
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
-        m_s = m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])
+        b_k, b_v, b_s, m_s = _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h,
+                                         H, D, DV, BD, BDV, BS, BK)
         b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
         b_dp = tl.dot(b_do, tl.trans(b_v))                                  # [M, BK]
         b_ds = b_p * (b_dp - b_delta[:, None])
@@ -155,22 +169,14 @@ def _sel_bwd_dq_kernel(q, k, v, do, lse, delta, dq, idx, pos, scale_log2, scale,
                        H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
+    """dq of tile i_t of BT tokens x the G heads of kv head i_h, walking the blocks as the forward does."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    M: tl.constexpr = BT * BG
-    p_r = tl.arange(0, M) // BG
-    t_r = i_t * BT + p_r
-    m_t = t_r < NT
-    m_r, t_off, hq_r = tile_rows(t_r, m_t, i_h, H, G, BG, BT)
-    rel_r = tl.load(pos + t_r, mask=m_t, other=0)                          # [M] positions inside the sequences
-    bos_r = t_r - rel_r                                                     # [M] sequence starts
-    b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                            # [M, BD]
+    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, BG, BT, D, BD,
+                                                                  NS, BNS)
     b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                        # [M, BDV]
     b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.)                 # [M]
     b_delta = tl.load(delta + t_off + hq_r, mask=m_r, other=0.)             # [M]
-    o_s = tl.arange(0, BNS)
-    b_idx = tl.load(idx + (t_r.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :],
-                    mask=m_t[:, None] & (o_s < NS)[None, :], other=-1)      # [M, BNS]
-    b_dq = tl.zeros([M, BD], tl.float32)
+    b_dq = tl.zeros([BT * BG, BD], tl.float32)                             # [M, BD], M = BT * BG rows
     for f in range(BT * NS):
         j, bos, m_row, rel_max = _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT,
                                             H, BT, BS, NS, BNS, UNION)
@@ -180,12 +186,11 @@ def _sel_bwd_dq_kernel(q, k, v, do, lse, delta, dq, idx, pos, scale_log2, scale,
 
 
 @triton.jit
-def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, rev_t, c_begin, c_end, c_key, dk_part, dv_part, pos,
-                        scale_log2, scale, NT,
-                        H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BQ: tl.constexpr,
-                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                        BS: tl.constexpr, BK: tl.constexpr, BSP: tl.constexpr):
-    i_c, i_kc = tl.program_id(0), tl.program_id(1)
+def _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+               BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
+    """Chunk i_c of the reverse index (entries [e0, e1), all of kv head i_h and one selected block, the block's id j
+    inside its sequence) and key sub-block i_kc of that block: key positions rel_k [BK], key mask m_k and the K
+    [BK, BD] and V [BK, BDV] tiles, loaded once for the whole chunk."""
     e0 = tl.load(c_begin + i_c)                           # this chunk: entries [e0, e1) of the sorted lists
     e1 = tl.load(c_end + i_c)
     key = tl.load(c_key + i_c)                            # kv head * NT + global start of the block
@@ -193,20 +198,55 @@ def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, rev_t, c_begin, c_end, c_key, d
     kst = key % NT
     o_k = tl.arange(0, BK)
     u = kst + i_kc * BK + o_k                             # [BK] global key tokens
-    m_k = (i_kc * BK + o_k < BS) & (u < NT)
     rel_k = tl.load(pos + kst) + i_kc * BK + o_k          # [BK] key positions inside the sequence
+    m_k = (i_kc * BK + o_k < BS) & (u < NT) & (e0 < e1)
+    m_k &= tl.load(pos + u, mask=m_k, other=-1) == rel_k  # keys of the next sequence are never loaded
     k_off = u * H + i_h
     b_k = load_rows(k, k_off, m_k, D, BD)                                   # [BK, BD]
     b_v = load_rows(v, k_off, m_k, DV, BDV)                                 # [BK, BDV]
+    return e0, e1, i_h, tl.load(pos + kst) // BS, rel_k, m_k, b_k, b_v
+
+
+@triton.jit
+def _key_pairs(q, rev_t, pos, e, e1, i_h, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BQ: tl.constexpr,
+               D: tl.constexpr, BD: tl.constexpr):
+    """Pairs [e, e + BQ) of a reverse-index chunk ending at e1 as BQ * BG rows (pair, head) of a query tile: their
+    tokens, row mask, token offsets and heads (as tile_rows), positions and Q tile [BQ*BG, BD]."""
+    e_r = e + tl.arange(0, BQ * BG) // BG                                  # [M] entry of each row, then the G heads
+    m_e = e_r < e1
+    t_r = tl.load(rev_t + e_r, mask=m_e, other=0)                          # [M] query tokens, ascending
+    m_r, t_off, hq_r = tile_rows(t_r, m_e, i_h, H, G, BG, BQ)
+    rel_r = tl.load(pos + t_r, mask=m_e, other=-1)                         # [M] positions inside the sequences
+    return t_r, m_r, t_off, hq_r, rel_r, load_rows(q, t_off + hq_r, m_r, D, BD)
+
+
+@triton.jit
+def _partial_rows(idx, t_r, m_r, t_off, hq_r, i_h, j, i_kc, H: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr,
+                  NKC: tl.constexpr):
+    """The row of each (pair, head)'s partial for key sub-block i_kc of block j, laid out (token, query head, slot,
+    sub-block): the slot is where the token lists j (cleaned ids list it once)."""
+    o_s = tl.arange(0, BNS)
+    b_ids = tl.load(idx + (t_r.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :],
+                    mask=m_r[:, None] & (o_s < NS)[None, :], other=-1)                      # [M, BNS]
+    s_r = tl.sum(tl.where(b_ids == j, o_s[None, :], 0), 1)                 # [M]
+    return ((t_off + hq_r) * NS + s_r) * NKC + i_kc
+
+
+@triton.jit
+def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, idx, rev_t, c_begin, c_end, c_key, dk_part, dv_part, dq_part, pos,
+                        scale_log2, scale, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BQ: tl.constexpr,
+                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr,
+                        BK: tl.constexpr, BSP: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr,
+                        WRITE_DQ: tl.constexpr):
+    """The dk/dv partial of one chunk x key sub-block; WRITE_DQ (key-centric path): also each (pair, sub-block)'s dq
+    partial ds @ k, which _sel_key_dq_kernel sums per token."""
+    i_c, i_kc = tl.program_id(0), tl.program_id(1)
+    e0, e1, i_h, j, rel_k, m_k, b_k, b_v = _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT,
+                                                      H, D, DV, BD, BDV, BS, BK)
     b_dk = tl.zeros([BK, BD], tl.float32)
     b_dv = tl.zeros([BK, BDV], tl.float32)
-    e_r = tl.arange(0, BQ * BG) // BG                     # [M] entry of each row, then the G heads
     for e in range(e0, e1, BQ):
-        m_e = e + e_r < e1
-        t_r = tl.load(rev_t + e + e_r, mask=m_e, other=-1)                # [M] query tokens, ascending
-        m_r, t_off, hq_r = tile_rows(t_r, m_e & (t_r >= 0), i_h, H, G, BG, BQ)
-        rel_r = tl.load(pos + t_r, mask=m_r, other=-1)
-        b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                        # [M, BD]
+        t_r, m_r, t_off, hq_r, rel_r, b_q = _key_pairs(q, rev_t, pos, e, e1, i_h, H, G, BG, BQ, D, BD)  # [M, BD]
         b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                    # [M, BDV]
         b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.)
         b_delta = tl.load(delta + t_off + hq_r, mask=m_r, other=0.)
@@ -217,7 +257,10 @@ def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, rev_t, c_begin, c_end, c_key, d
         b_dp = tl.dot(b_do, tl.trans(b_v))                                  # [M, BK]
         b_ds = b_p * (b_dp - b_delta[:, None])
         b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)                   # [BK, BD]
-    part = i_c.to(tl.int64) * BSP + i_kc * BK + o_k                         # [BK] rows of the partials, all stored
+        if WRITE_DQ:
+            row = _partial_rows(idx, t_r, m_r, t_off, hq_r, i_h, j, i_kc, H, NS, BNS, NKC)
+            store_rows(dq_part, row, m_r, tl.dot(b_ds.to(b_k.dtype), b_k) * scale, D, BD)  # [M, BD]
+    part = i_c.to(tl.int64) * BSP + i_kc * BK + tl.arange(0, BK)            # [BK] rows of the partials, all stored
     store_rows(dk_part, part, tl.full([BK], 1, tl.int1), b_dk * scale, D, BD)
     store_rows(dv_part, part, tl.full([BK], 1, tl.int1), b_dv, DV, BDV)
 
@@ -243,6 +286,85 @@ def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT,
     out = u.to(tl.int64) * H + i_h
     store_rows(dk, out, m_u, b_dk, D, BD)
     store_rows(dv, out, m_u, b_dv, DV, BDV)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# key-centric forward (small G): the loop inverted. One program = (kv head, selected block, chunk of the (token, slot)
+# pairs that chose it, in the reverse index) x one key sub-block of BK keys, as the dk/dv kernel above. It loads its
+# K/V once and, a tile of BQ pairs at a time (a [BQ*BG, D] Q tile), attends each pair's G query rows to it (causal
+# inside the block): each (pair, sub-block) writes a partial o and base-2 lse, and a merge kernel combines a token's
+# partials in (slot, sub-block) order into the same o and lse the query-centric forward writes. Its backward is the
+# dk/dv kernel with WRITE_DQ (the dq partials ds @ k, summed per token in the same order; no query-centric dq pass).
+# Deterministic, no atomics, no host sync. Each K/V block is read once per chunk instead of once per (token, kv head)
+# that chose it; the price is a partial of G*max(D, Dv) per pair through memory, so it pays for small G. The o and dq
+# partials are stored in the input dtype (half the bytes of fp32; each adds one rounding of a partial's size, averaged
+# over the token's partials), lse and the sums in fp32.
+# Masks: keys after a row inside its block get probability 0 (exact for finite values; as in any tiled causal
+# kernel, a non-finite key there that a later token of the same tile also reads reaches the row as 0 * inf), keys
+# of another sequence are never loaded.
+
+@triton.jit
+def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, idx, rev_t, c_begin, c_end, c_key, pos, scale_log2, NT,
+                        H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BQ: tl.constexpr,
+                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                        BS: tl.constexpr, BK: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr):
+    """Each (pair, head) of one chunk x key sub-block: the softmax over that sub-block's keys alone, as a partial o
+    and base-2 lse (-inf for a row with no key there)."""
+    i_c, i_kc = tl.program_id(0), tl.program_id(1)
+    e0, e1, i_h, j, rel_k, m_k, b_k, b_v = _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT,
+                                                      H, D, DV, BD, BDV, BS, BK)
+    for e in range(e0, e1, BQ):
+        t_r, m_r, t_off, hq_r, rel_r, b_q = _key_pairs(q, rev_t, pos, e, e1, i_h, H, G, BG, BQ, D, BD)  # [M, BD]
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
+        m_s = m_r[:, None] & m_k[None, :] & (rel_k[None, :] <= rel_r[:, None])  # causal inside the block
+        m_i, l_i, acc = softmax_step(tl.where(m_s, b_s, float("-inf")), b_v, tl.full([BQ * BG], float("-inf"),
+                                     tl.float32), tl.zeros([BQ * BG], tl.float32), tl.zeros([BQ * BG, BDV], tl.float32))
+        b_o, b_lse = softmax_finish(m_i, l_i, acc)                          # [M, BDV], [M]
+        row = _partial_rows(idx, t_r, m_r, t_off, hq_r, i_h, j, i_kc, H, NS, BNS, NKC)
+        store_rows(o_part, row, m_r, b_o, DV, BDV)
+        tl.store(lse_part + row, b_lse, mask=m_r)
+
+
+@triton.jit
+def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+                          BT: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, NS: tl.constexpr,
+                          NKC: tl.constexpr):
+    """o = sum_s 2^(lse_s - lse) o_s and lse = log2 sum_s 2^lse_s over a token's partials, in (slot, sub-block)
+    order: the online-softmax step with each partial as one key of score lse_s and value o_s."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    t_r = i_t * BT + tl.arange(0, BT * BG) // BG                            # [M] tokens
+    m_t = t_r < NT
+    m_r, t_off, hq_r = tile_rows(t_r, m_t, i_h, H, G, BG, BT)
+    m_i = tl.full([BT * BG], float("-inf"), tl.float32)
+    l_i = tl.zeros([BT * BG], tl.float32)
+    acc = tl.zeros([BT * BG, BDV], tl.float32)
+    for s in range(NS):
+        m_v = m_r & (tl.load(idx + (t_r.to(tl.int64) * H + i_h) * NS + s, mask=m_t, other=-1) >= 0)  # slot s used
+        for kc in tl.static_range(NKC):
+            row = ((t_off + hq_r) * NS + s) * NKC + kc
+            b_lse = tl.load(lse_part + row, mask=m_v, other=float("-inf"))
+            m_i, alpha, b_w = softmax_rescale(b_lse[:, None], m_i)           # b_w [M, 1]: the partial's weight
+            acc = acc * alpha[:, None] + load_rows(o_part, row, m_v, DV, BDV) * b_w       # [M, BDV]
+            l_i = l_i * alpha + tl.sum(b_w, 1)
+    b_o, b_lse = softmax_finish(m_i, l_i, acc)
+    store_rows(o, t_off + hq_r, m_r, b_o, DV, BDV)
+    tl.store(lse + t_off + hq_r, b_lse, mask=m_r)
+
+
+@triton.jit
+def _sel_key_dq_kernel(dq_part, idx, dq, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                       D: tl.constexpr, BD: tl.constexpr, NS: tl.constexpr, NKC: tl.constexpr):
+    """dq of each token = its dq partials summed in (slot, sub-block) order."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    t_r = i_t * BT + tl.arange(0, BT * BG) // BG                            # [M] tokens
+    m_t = t_r < NT
+    m_r, t_off, hq_r = tile_rows(t_r, m_t, i_h, H, G, BG, BT)
+    b_dq = tl.zeros([BT * BG, BD], tl.float32)
+    for s in range(NS):
+        m_v = m_r & (tl.load(idx + (t_r.to(tl.int64) * H + i_h) * NS + s, mask=m_t, other=-1) >= 0)  # slot s used
+        for kc in tl.static_range(NKC):
+            b_dq += load_rows(dq_part, ((t_off + hq_r) * NS + s) * NKC + kc, m_v, D, BD)
+    store_rows(dq, t_off + hq_r, m_r, b_dq, D, BD)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -272,25 +394,19 @@ def _sizes(q, k, v, block_indices, sel_block):
     return dict(c, BS=sel_block, BK=min(64, triton.next_power_of_2(sel_block))), block_indices.shape[3]
 
 
-def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor, sel_block: int,
-         scale: float, cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    B, T, HQ, D = q.shape
-    if _key_path(HQ // k.shape[2], B * T):
-        return _fwd_key(q, k, v, block_indices, sel_block, scale, cu_seqlens)
-    qf, kf, vf, idx, pos, _ = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
-    NT = B * T
-    c, NS = _sizes(q, k, v, block_indices, sel_block)
-    if NT == 0 or NS == 0:  # nothing to attend to: o = 0, lse = -inf
-        return q.new_zeros(B, T, HQ, v.shape[3]), q.new_full((B, T, HQ), float("-inf"), dtype=torch.float32)
-    cfg = dict(CONFIG["fwd"])
-    BT = max(1, cfg.pop("rows") // c["BG"])
-    union = cfg.pop("union") and BT > 1
-    o = torch.empty(NT, HQ, v.shape[3], device=q.device, dtype=q.dtype)
-    lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(NT, BT), c["H"])
-    _sel_fwd_kernel[grid](qf, kf, vf, o, lse, idx, pos, scale * math.log2(math.e), NT, BT=BT, NS=NS,
-                          BNS=triton.next_power_of_2(NS), UNION=union, **c, **cfg)
-    return o.view(B, T, HQ, v.shape[3]), lse.view(B, T, HQ)
+def _key_tiles(c, sel_block):
+    """The key-side kernels' sizes (dk/dv, the key-centric forward): BK keys per sub-block (fewer for wide heads, so
+    the K, V and fp32 dk/dv tiles stay in registers) and NKC sub-blocks per selection block."""
+    BK = min(c["BK"], 32 if max(c["D"], c["DV"]) > 128 else 64)
+    return dict(c, BK=BK), triton.cdiv(sel_block, BK)
+
+
+def _key_path(G, NT):
+    """Which path a call of shape (G, NT = B * T) takes under CONFIG["path"]."""
+    path = CONFIG["path"]
+    if path not in ("auto", "query", "key"):
+        raise ValueError(f"sel_kernel.CONFIG['path'] must be 'auto', 'query' or 'key', got {path!r}")
+    return path == "key" or (path == "auto" and G <= KEY_MAX_G and NT >= KEY_MIN_TOKENS)
 
 
 def _reverse_index(idx, pos, sel_block, n_seq, chunk):
@@ -325,46 +441,91 @@ def _reverse_index(idx, pos, sel_block, n_seq, chunk):
     return rev_t, c_begin, c_end, torch.where(c_begin < c_end, c_key, 0), seg_c0, seg_c1
 
 
+def _fwd_key(qf, kf, vf, idx, pos, n_seq, c, NS, scale_log2):
+    """The key-centric forward on packed inputs: partials per (token, query head, slot, sub-block), then the merge."""
+    NT, HQ, DV = qf.shape[0], qf.shape[1], vf.shape[2]
+    cfg = dict(CONFIG["key_fwd"])
+    c, NKC = _key_tiles(c, c["BS"])
+    BQ = max(1, cfg.pop("rows") // c["BG"])
+    chunk = max(BQ, cfg.pop("chunk_rows") // c["BG"] // BQ * BQ)
+    rev_t, c_begin, c_end, c_key, _, _ = _reverse_index(idx, pos, c["BS"], n_seq, chunk)
+    o_part = torch.empty(NT * HQ * NS * NKC, DV, device=qf.device, dtype=qf.dtype)  # lse and the merge: fp32
+    lse_part = torch.empty(NT * HQ * NS * NKC, device=qf.device, dtype=torch.float32)
+    _sel_key_fwd_kernel[(c_begin.numel(), NKC)](qf, kf, vf, o_part, lse_part, idx, rev_t, c_begin, c_end, c_key, pos,
+                                                scale_log2, NT, BQ=BQ, NKC=NKC, NS=NS,
+                                                BNS=triton.next_power_of_2(NS), **c, **cfg)
+    o = torch.empty(NT, HQ, DV, device=qf.device, dtype=qf.dtype)
+    lse = torch.empty(NT, HQ, device=qf.device, dtype=torch.float32)
+    BT = max(1, 32 // c["BG"])
+    _sel_key_merge_kernel[(triton.cdiv(NT, BT), c["H"])](o_part, lse_part, idx, o, lse, NT, H=c["H"], G=c["G"],
+                                                         BG=c["BG"], BT=BT, DV=DV, BDV=c["BDV"], NS=NS, NKC=NKC)
+    return o, lse
+
+
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor, sel_block: int,
+         scale: float, cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    B, T, HQ, D = q.shape
+    NT, DV = B * T, v.shape[3]
+    c, NS = _sizes(q, k, v, block_indices, sel_block)
+    if NT == 0 or NS == 0:  # nothing to attend to: o = 0, lse = -inf
+        return q.new_zeros(B, T, HQ, DV), q.new_full((B, T, HQ), float("-inf"), dtype=torch.float32)
+    qf, kf, vf, idx, pos, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
+    scale_log2 = scale * math.log2(math.e)
+    if _key_path(c["G"], NT):
+        o, lse = _fwd_key(qf, kf, vf, idx, pos, n_seq, c, NS, scale_log2)
+        return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
+    cfg = dict(CONFIG["fwd"])
+    BT = max(1, cfg.pop("rows") // c["BG"])
+    union = cfg.pop("union") and BT > 1
+    o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
+    lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
+    _sel_fwd_kernel[(triton.cdiv(NT, BT), c["H"])](qf, kf, vf, o, lse, idx, pos, scale_log2, NT, BT=BT, NS=NS,
+                                                   BNS=triton.next_power_of_2(NS), UNION=union, **c, **cfg)
+    return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
+
+
 def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
          block_indices: torch.Tensor, sel_block: int, scale: float, cu_seqlens: Optional[torch.Tensor]
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, HQ, D = q.shape
-    if B * T == 0 or block_indices.shape[3] == 0:  # no key anywhere: all gradients are zero
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if _key_path(HQ // k.shape[2], B * T):
-        return _bwd_key(do, q, k, v, o, lse, block_indices, sel_block, scale, cu_seqlens)
-    qf, kf, vf, idx, pos, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
-    of, dof = o.reshape(B * T, HQ, -1).contiguous(), do.reshape(B * T, HQ, -1).contiguous()
-    NT = B * T
+    NT, DV = B * T, v.shape[3]
     c, NS = _sizes(q, k, v, block_indices, sel_block)
-    H, DV = c["H"], c["DV"]
+    if NT == 0 or NS == 0:  # no key anywhere: all gradients are zero
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    key_path = _key_path(c["G"], NT)
+    qf, kf, vf, idx, pos, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
+    of, dof = o.reshape(NT, HQ, DV).contiguous(), do.reshape(NT, HQ, DV).contiguous()
+    H = c["H"]
     scale_log2 = scale * math.log2(math.e)
     delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
-    BR = 32
-    _sel_bwd_delta_kernel[(triton.cdiv(NT * HQ, BR),)](of, dof, delta, NT * HQ, DV=DV, BDV=c["BDV"], BR=BR)
+    _sel_bwd_delta_kernel[(triton.cdiv(NT * HQ, 32),)](of, dof, delta, NT * HQ, DV=DV, BDV=c["BDV"], BR=32)
     dq = torch.empty_like(qf)
-    cfg = dict(CONFIG["dq"])
-    BT = max(1, cfg.pop("rows") // c["BG"])
-    union = cfg.pop("union") and BT > 1
-    _sel_bwd_dq_kernel[(triton.cdiv(NT, BT), H)](qf, kf, vf, dof, lse, delta, dq, idx, pos, scale_log2, scale, NT,
-                                                 BT=BT, NS=NS, BNS=triton.next_power_of_2(NS), UNION=union, **c, **cfg)
-    # dk/dv: smaller key tiles for wide heads keep the two fp32 [BK, D] accumulators in registers
-    c_kv = dict(c, BK=min(c["BK"], 32 if max(D, DV) > 128 else 64))
-    cfg = dict(CONFIG["dkv"])
+    if not key_path:  # query-centric dq; the key-centric path gets dq from the dk/dv kernel's partials
+        cfg = dict(CONFIG["dq"])
+        BT = max(1, cfg.pop("rows") // c["BG"])
+        union = cfg.pop("union") and BT > 1
+        _sel_bwd_dq_kernel[(triton.cdiv(NT, BT), H)](qf, kf, vf, dof, lse, delta, dq, idx, pos, scale_log2, scale, NT,
+                                                     BT=BT, NS=NS, BNS=triton.next_power_of_2(NS), UNION=union, **c,
+                                                     **cfg)
+    cfg = dict(CONFIG["key_bwd" if key_path else "dkv"])
+    c_kv, NKC = _key_tiles(c, sel_block)
     BQ = max(1, cfg.pop("rows") // c["BG"])
     chunk = max(BQ, CHUNK_ROWS // c["BG"] // BQ * BQ)
     rev_t, c_begin, c_end, c_key, seg_c0, seg_c1 = _reverse_index(idx, pos, sel_block, n_seq, chunk)
-    NC = c_begin.numel()
-    n_kc = triton.cdiv(sel_block, c_kv["BK"])
-    BSP = n_kc * c_kv["BK"]
+    NC, BSP = c_begin.numel(), NKC * c_kv["BK"]
     dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty(NC, BSP, DV, device=q.device, dtype=torch.float32)
-    _sel_bwd_dkv_kernel[(NC, n_kc)](qf, kf, vf, dof, lse, delta, rev_t, c_begin, c_end, c_key, dk_part, dv_part,
-                                     pos, scale_log2, scale, NT, BQ=BQ, BSP=BSP, **c_kv, **cfg)
+    dq_part = torch.empty(NT * HQ * NS * NKC, D, device=q.device, dtype=q.dtype) if key_path else None
+    _sel_bwd_dkv_kernel[(NC, NKC)](qf, kf, vf, dof, lse, delta, idx, rev_t, c_begin, c_end, c_key, dk_part, dv_part,
+                                   dq_part, pos, scale_log2, scale, NT, BQ=BQ, BSP=BSP, NKC=NKC, NS=NS,
+                                   BNS=triton.next_power_of_2(NS), WRITE_DQ=key_path, **c_kv, **cfg)
+    if key_path:
+        BT = max(1, 32 // c["BG"])
+        _sel_key_dq_kernel[(triton.cdiv(NT, BT), H)](dq_part, idx, dq, NT, H=H, G=c["G"], BG=c["BG"], BT=BT, D=D,
+                                                     BD=c["BD"], NS=NS, NKC=NKC)
     dk, dv = torch.empty_like(kf), torch.empty_like(vf)
-    BR = 32
-    _sel_bwd_reduce_kernel[(triton.cdiv(NT, BR), H)](dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT, H=H, D=D,
-                                                     DV=DV, BD=c["BD"], BDV=c["BDV"], BS=sel_block, BSP=BSP, BR=BR)
+    _sel_bwd_reduce_kernel[(triton.cdiv(NT, 32), H)](dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT, H=H, D=D,
+                                                     DV=DV, BD=c["BD"], BDV=c["BDV"], BS=sel_block, BSP=BSP, BR=32)
     return dq.view_as(q), dk.view_as(k), dv.view_as(v)
 
 
@@ -397,249 +558,3 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
     scale = D ** -0.5 if scale is None else float(scale)
     return sel_attn_fwd(q, k, v, block_indices, int(sel_block), scale, cu_seqlens)[0]
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# key-centric path (small G): the loop inverted. One program = (kv head, selected block, chunk of the (token, slot)
-# pairs that chose it, in the reverse index above) x one key sub-block of BK keys. It loads its K/V once and, a tile
-# of BQ pairs at a time (a [BQ*BG, D] Q tile), attends each pair's G query rows to it (causal inside the block).
-# Forward: each (pair, sub-block) writes an fp32 partial o and base-2 lse; a merge kernel combines a token's partials
-# in (slot, sub-block) order into the same o and lse the query-centric forward writes. Backward: the dk/dv pass also
-# writes each (pair, sub-block)'s dq partial (ds @ k), summed per token in the same order; no query-centric dq pass.
-# Deterministic, no atomics, no host sync. Each K/V block is read once per chunk instead of once per (token, kv head)
-# that chose it; the price is an fp32 partial of G*max(D, Dv) per pair through memory, so it pays for small G.
-# Masks: keys after a row inside its block get probability 0 (exact for finite values; as in any tiled causal
-# kernel, a non-finite key there that a later token of the same tile also reads reaches the row as 0 * inf), keys
-# of another sequence are never loaded.
-
-KEY_MAX_G = 4          # "auto" takes the key-centric path for G = HQ / H up to this (RESULTS.md, "Selection paths") ...
-KEY_MIN_TOKENS = 4096  # ... and at least this many packed tokens (below, the reverse-index sort and launches show)
-
-
-def _key_path(G, NT):
-    """Which path a call of shape (G, NT = B * T) takes under CONFIG["path"]."""
-    path = CONFIG["path"]
-    if path not in ("auto", "query", "key"):
-        raise ValueError(f"sel_kernel.CONFIG['path'] must be 'auto', 'query' or 'key', got {path!r}")
-    return path == "key" or (path == "auto" and G <= KEY_MAX_G and NT >= KEY_MIN_TOKENS)
-
-
-@triton.jit
-def _key_pairs(q, idx, rev_t, pos, e, e1, i_h, j, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
-               BQ: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr):
-    """Pairs [e, e + BQ) of a reverse-index chunk ending at e1, all of which chose block j of kv head i_h, as
-    BQ * BG rows (pair, head): their tokens, row mask, positions, Q tile and the slot where each token lists j."""
-    HQ: tl.constexpr = H * G
-    o_r, o_d, o_s = tl.arange(0, BQ * BG), tl.arange(0, BD), tl.arange(0, BNS)
-    e_r = e + o_r // BG                                                     # [M] entry of each row
-    g_r = o_r % BG
-    m_e = e_r < e1
-    t64 = tl.load(rev_t + e_r, mask=m_e, other=0).to(tl.int64)             # [M] query tokens, ascending
-    m_r = m_e & (g_r < G)
-    rel_r = tl.load(pos + t64, mask=m_e, other=-1)                         # [M] positions inside the sequences
-    b_q = tl.load(q + (t64 * HQ + i_h * G + g_r)[:, None] * D + o_d[None, :],
-                  mask=m_r[:, None] & (o_d < D)[None, :], other=0.)                         # [M, BD]
-    b_ids = tl.load(idx + (t64 * H + i_h)[:, None] * NS + o_s[None, :],
-                    mask=m_e[:, None] & (o_s < NS)[None, :], other=-1)                      # [M, BNS]
-    s_r = tl.sum(tl.where(b_ids == j, o_s[None, :], 0), 1)                 # [M] cleaned ids: j is listed once
-    return t64, g_r, m_r, rel_r, b_q, s_r
-
-
-@triton.jit
-def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, idx, rev_t, c_begin, c_end, c_key, pos, scale_log2, NT,
-                        H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BQ: tl.constexpr,
-                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                        BS: tl.constexpr, BK: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr):
-    i_c, i_kc = tl.program_id(0), tl.program_id(1)
-    e0 = tl.load(c_begin + i_c)                           # this chunk: entries [e0, e1) of the sorted lists
-    e1 = tl.load(c_end + i_c)
-    key = tl.load(c_key + i_c)                            # kv head * NT + global start of the block
-    i_h = (key // NT).to(tl.int32)
-    kst = key % NT
-    o_d, o_dv, o_k = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BK)
-    j = tl.load(pos + kst) // BS                          # the block's id inside its sequence
-    u = kst + i_kc * BK + o_k                             # [BK] global key tokens
-    rel_k = tl.load(pos + kst) + i_kc * BK + o_k          # [BK] key positions inside the sequence
-    m_k = (i_kc * BK + o_k < BS) & (u < NT) & (e0 < e1)
-    m_k &= tl.load(pos + u, mask=m_k, other=-1) == rel_k  # keys of the next sequence are never loaded
-    k_off = u * H + i_h
-    b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
-    b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
-    for e in range(e0, e1, BQ):
-        t64, g_r, m_r, rel_r, b_q, s_r = _key_pairs(q, idx, rev_t, pos, e, e1, i_h, j, H, G, BG, BQ, D, BD, NS, BNS)
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
-        m_s = m_r[:, None] & m_k[None, :] & (rel_k[None, :] <= rel_r[:, None])  # causal inside the block
-        b_s = tl.where(m_s, b_s, float("-inf"))
-        b_m = tl.max(b_s, 1)
-        b_m = tl.where(b_m == float("-inf"), 0., b_m)                       # a row with no key here stays at 0
-        b_p = tl.exp2(b_s - b_m[:, None])                                   # [M, BK]
-        b_l = tl.sum(b_p, 1)
-        l_safe = tl.where(b_l == 0., 1., b_l)
-        b_o = tl.dot(b_p.to(b_v.dtype), b_v) / l_safe[:, None]              # [M, BDV] this block's softmax
-        b_lse = tl.where(b_l == 0., float("-inf"), b_m + tl.log2(l_safe))   # [M] base-2 lse over this block
-        row = (((t64 * H + i_h) * NS + s_r) * NKC + i_kc) * G + g_r         # [M] partial of (token, slot, kc, g)
-        tl.store(o_part + row[:, None] * DV + o_dv[None, :], b_o, mask=m_r[:, None] & (o_dv < DV)[None, :])
-        tl.store(lse_part + row, b_lse, mask=m_r)
-
-
-@triton.jit
-def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
-                          BT: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, NS: tl.constexpr,
-                          NKC: tl.constexpr):
-    """o = sum_s 2^(lse_s - lse) o_s and lse = log2 sum_s 2^lse_s over a token's partials, in slot order."""
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    HQ: tl.constexpr = H * G
-    o_r, o_dv = tl.arange(0, BT * BG), tl.arange(0, BDV)
-    t_r = i_t * BT + o_r // BG                                              # [M] tokens
-    g_r = o_r % BG
-    m_t = t_r < NT
-    m_r = m_t & (g_r < G)
-    t64 = t_r.to(tl.int64)
-    m_i = tl.full([BT * BG], float("-inf"), tl.float32)
-    l_i = tl.zeros([BT * BG], tl.float32)
-    acc = tl.zeros([BT * BG, BDV], tl.float32)
-    for s in range(NS):
-        m_v = m_r & (tl.load(idx + (t64 * H + i_h) * NS + s, mask=m_t, other=-1) >= 0)  # slot s holds a block
-        for kc in tl.static_range(NKC):
-            row = (((t64 * H + i_h) * NS + s) * NKC + kc) * G + g_r
-            b_lse = tl.load(lse_part + row, mask=m_v, other=float("-inf"))
-            b_o = tl.load(o_part + row[:, None] * DV + o_dv[None, :], mask=m_v[:, None] & (o_dv < DV)[None, :],
-                          other=0.)                                                         # [M, BDV]
-            m_new = tl.maximum(m_i, b_lse)
-            m_use = tl.where(m_new == float("-inf"), 0., m_new)
-            alpha = tl.exp2(m_i - m_use)
-            w = tl.exp2(b_lse - m_use)
-            acc = acc * alpha[:, None] + b_o * w[:, None]
-            l_i = l_i * alpha + w
-            m_i = m_new
-    l_safe = tl.where(l_i == 0., 1., l_i)
-    hq = t64 * HQ + i_h * G + g_r
-    tl.store(o + hq[:, None] * DV + o_dv[None, :], (acc / l_safe[:, None]).to(o.dtype.element_ty),
-             mask=m_r[:, None] & (o_dv < DV)[None, :])
-    tl.store(lse + hq, tl.where(l_i == 0., float("-inf"), m_i + tl.log2(l_safe)), mask=m_r)
-
-
-@triton.jit
-def _sel_key_bwd_kernel(q, k, v, do, lse, delta, idx, rev_t, c_begin, c_end, c_key, dk_part, dv_part, dq_part, pos,
-                        scale_log2, scale, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BQ: tl.constexpr,
-                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr,
-                        BK: tl.constexpr, BSP: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr):
-    """_sel_bwd_dkv_kernel's work plus each (pair, sub-block)'s dq partial."""
-    i_c, i_kc = tl.program_id(0), tl.program_id(1)
-    HQ: tl.constexpr = H * G
-    e0 = tl.load(c_begin + i_c)
-    e1 = tl.load(c_end + i_c)
-    key = tl.load(c_key + i_c)
-    i_h = (key // NT).to(tl.int32)
-    kst = key % NT
-    o_d, o_dv, o_k = tl.arange(0, BD), tl.arange(0, BDV), tl.arange(0, BK)
-    j = tl.load(pos + kst) // BS
-    u = kst + i_kc * BK + o_k
-    rel_k = tl.load(pos + kst) + i_kc * BK + o_k
-    m_k = (i_kc * BK + o_k < BS) & (u < NT) & (e0 < e1)
-    m_k &= tl.load(pos + u, mask=m_k, other=-1) == rel_k
-    k_off = u * H + i_h
-    b_k = tl.load(k + k_off[:, None] * D + o_d[None, :], mask=m_k[:, None] & (o_d < D)[None, :], other=0.)
-    b_v = tl.load(v + k_off[:, None] * DV + o_dv[None, :], mask=m_k[:, None] & (o_dv < DV)[None, :], other=0.)
-    b_dk = tl.zeros([BK, BD], tl.float32)
-    b_dv = tl.zeros([BK, BDV], tl.float32)
-    for e in range(e0, e1, BQ):
-        t64, g_r, m_r, rel_r, b_q, s_r = _key_pairs(q, idx, rev_t, pos, e, e1, i_h, j, H, G, BG, BQ, D, BD, NS, BNS)
-        hq_r = t64 * HQ + i_h * G + g_r
-        b_do = tl.load(do + hq_r[:, None] * DV + o_dv[None, :], mask=m_r[:, None] & (o_dv < DV)[None, :], other=0.)
-        b_lse = tl.load(lse + hq_r, mask=m_r, other=0.)
-        b_delta = tl.load(delta + hq_r, mask=m_r, other=0.)
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
-        m_s = m_r[:, None] & m_k[None, :] & (rel_k[None, :] <= rel_r[:, None])
-        b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
-        b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)                  # [BK, BDV]
-        b_dp = tl.dot(b_do, tl.trans(b_v))                                  # [M, BK]
-        b_ds = b_p * (b_dp - b_delta[:, None])
-        b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)                   # [BK, BD]
-        b_dq = tl.dot(b_ds.to(b_k.dtype), b_k) * scale                      # [M, BD]
-        row = (((t64 * H + i_h) * NS + s_r) * NKC + i_kc) * G + g_r
-        tl.store(dq_part + row[:, None] * D + o_d[None, :], b_dq, mask=m_r[:, None] & (o_d < D)[None, :])
-    row = (i_c.to(tl.int64) * BSP + i_kc * BK + o_k)[:, None]
-    tl.store(dk_part + row * D + o_d[None, :], b_dk * scale, mask=(o_d < D)[None, :])
-    tl.store(dv_part + row * DV + o_dv[None, :], b_dv, mask=(o_dv < DV)[None, :])
-
-
-@triton.jit
-def _sel_key_dq_kernel(dq_part, idx, dq, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
-                       D: tl.constexpr, BD: tl.constexpr, NS: tl.constexpr, NKC: tl.constexpr):
-    """dq of each token = its dq partials summed in slot order."""
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    HQ: tl.constexpr = H * G
-    o_r, o_d = tl.arange(0, BT * BG), tl.arange(0, BD)
-    t_r = i_t * BT + o_r // BG
-    g_r = o_r % BG
-    m_t = t_r < NT
-    m_r = m_t & (g_r < G)
-    t64 = t_r.to(tl.int64)
-    b_dq = tl.zeros([BT * BG, BD], tl.float32)
-    for s in range(NS):
-        m_v = m_r & (tl.load(idx + (t64 * H + i_h) * NS + s, mask=m_t, other=-1) >= 0)
-        for kc in tl.static_range(NKC):
-            row = (((t64 * H + i_h) * NS + s) * NKC + kc) * G + g_r
-            b_dq += tl.load(dq_part + row[:, None] * D + o_d[None, :], mask=m_v[:, None] & (o_d < D)[None, :],
-                            other=0.)
-    tl.store(dq + (t64 * HQ + i_h * G + g_r)[:, None] * D + o_d[None, :], b_dq.to(dq.dtype.element_ty),
-             mask=m_r[:, None] & (o_d < D)[None, :])
-
-
-def _key_sizes(q, k, v, block_indices, sel_block, rows):
-    """Launch sizes shared by the key-centric kernels: BQ pairs per tile, NKC sub-blocks of BK keys per block."""
-    c, NS = _sizes(q, k, v, block_indices, sel_block)
-    c["BK"] = min(c["BK"], 32 if max(c["D"], c["DV"]) > 128 else 64)  # K, V and dk/dv tiles stay in registers
-    return c, dict(NS=NS, BNS=triton.next_power_of_2(NS), NKC=triton.cdiv(sel_block, c["BK"])), max(1, rows // c["BG"])
-
-
-def _fwd_key(q, k, v, block_indices, sel_block, scale, cu_seqlens):
-    B, T, HQ, D = q.shape
-    DV, NT = v.shape[3], B * T
-    if NT == 0 or block_indices.shape[3] == 0:  # nothing to attend to: o = 0, lse = -inf
-        return q.new_zeros(B, T, HQ, DV), q.new_full((B, T, HQ), float("-inf"), dtype=torch.float32)
-    qf, kf, vf, idx, pos, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
-    cfg = dict(CONFIG["key_fwd"])
-    c, s, BQ = _key_sizes(q, k, v, block_indices, sel_block, cfg.pop("rows"))
-    chunk = max(BQ, cfg.pop("chunk_rows") // c["BG"] // BQ * BQ)
-    rev_t, c_begin, c_end, c_key, _, _ = _reverse_index(idx, pos, sel_block, n_seq, chunk)
-    n_part = NT * c["H"] * s["NS"] * s["NKC"] * c["G"]                        # (token, kv head, slot, kc, g)
-    o_part = torch.empty(n_part, DV, device=q.device, dtype=torch.float32)
-    lse_part = torch.empty(n_part, device=q.device, dtype=torch.float32)
-    _sel_key_fwd_kernel[(c_begin.numel(), s["NKC"])](qf, kf, vf, o_part, lse_part, idx, rev_t, c_begin, c_end, c_key,
-                                                     pos, scale * math.log2(math.e), NT, BQ=BQ, **c, **s, **cfg)
-    o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
-    lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
-    BT = max(1, 32 // c["BG"])
-    _sel_key_merge_kernel[(triton.cdiv(NT, BT), c["H"])](o_part, lse_part, idx, o, lse, NT, H=c["H"], G=c["G"],
-                                                         BG=c["BG"], BT=BT, DV=DV, BDV=c["BDV"], NS=s["NS"],
-                                                         NKC=s["NKC"])
-    return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
-
-
-def _bwd_key(do, q, k, v, o, lse, block_indices, sel_block, scale, cu_seqlens):
-    B, T, HQ, D = q.shape
-    qf, kf, vf, idx, pos, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
-    of, dof = o.reshape(B * T, HQ, -1).contiguous(), do.reshape(B * T, HQ, -1).contiguous()
-    NT = B * T
-    cfg = dict(CONFIG["key_bwd"])
-    c, s, BQ = _key_sizes(q, k, v, block_indices, sel_block, cfg.pop("rows"))
-    H, DV = c["H"], c["DV"]
-    delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
-    _sel_bwd_delta_kernel[(triton.cdiv(NT * HQ, 32),)](of, dof, delta, NT * HQ, DV=DV, BDV=c["BDV"], BR=32)
-    chunk = max(BQ, CHUNK_ROWS // c["BG"] // BQ * BQ)
-    rev_t, c_begin, c_end, c_key, seg_c0, seg_c1 = _reverse_index(idx, pos, sel_block, n_seq, chunk)
-    NC, BSP = c_begin.numel(), s["NKC"] * c["BK"]
-    dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
-    dv_part = torch.empty(NC, BSP, DV, device=q.device, dtype=torch.float32)
-    dq_part = torch.empty(NT * H * s["NS"] * s["NKC"] * c["G"], D, device=q.device, dtype=torch.float32)
-    _sel_key_bwd_kernel[(NC, s["NKC"])](qf, kf, vf, dof, lse, delta, idx, rev_t, c_begin, c_end, c_key, dk_part,
-                                        dv_part, dq_part, pos, scale * math.log2(math.e), scale, NT, BQ=BQ, BSP=BSP,
-                                        **c, **s, **cfg)
-    dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
-    BT = max(1, 32 // c["BG"])
-    _sel_key_dq_kernel[(triton.cdiv(NT, BT), H)](dq_part, idx, dq, NT, H=H, G=c["G"], BG=c["BG"], BT=BT, D=D,
-                                                 BD=c["BD"], NS=s["NS"], NKC=s["NKC"])
-    _sel_bwd_reduce_kernel[(triton.cdiv(NT, 32), H)](dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT, H=H, D=D,
-                                                     DV=DV, BD=c["BD"], BDV=c["BDV"], BS=sel_block, BSP=BSP, BR=32)
-    return dq.view_as(q), dk.view_as(k), dv.view_as(v)

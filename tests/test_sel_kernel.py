@@ -1,6 +1,8 @@
 """Tests of sel_kernel.py (Triton selection attention, forward + backward) against the PyTorch reference in
-nsa_attention.py. On CPU the kernels run in the Triton interpreter (fp32 / fp16 dots; bf16 dots are wrong there);
-tests marked gpu run the same checks in fp16 / bf16 on CUDA, plus T = 65536, determinism and torch.compile."""
+nsa_attention.py, on each of its two paths (the `path` fixture: query-centric, key-centric), and of what only the
+key-centric path has (the same o and lse as the query path, its launch sizes, the rule that picks a path). On CPU the
+kernels run in the Triton interpreter (fp32 / fp16 dots; bf16 dots are wrong there); tests marked gpu run the same
+checks in fp16 / bf16 on CUDA, plus long sequences, 64-bit offsets, determinism, torch.compile and CUDA graphs."""
 import pytest
 import torch
 
@@ -46,20 +48,48 @@ def run_both(B, T, HQ, H, D, DV, n, sel_block, dtype, device="cpu", seed=0, cu_s
     return (o, *grads), (o_ref, *grads_ref)
 
 
-# (B, T, HQ, H, D, DV, n, sel_block, dtype): G = 1, 2, 3, 4, 8, 16; T < l', T not a multiple of l'; D = 48, l' = 48
+@pytest.fixture(params=["query", "key"])
+def path(request, monkeypatch):
+    """The selection path under test (sel_kernel.CONFIG["path"]); on CPU the key-centric one with 16-row tiles and
+    32-row chunks, so a block's list of pairs spans several chunks and tiles."""
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", request.param)
+    if request.param == "key" and not CUDA:
+        monkeypatch.setitem(sel_kernel.CONFIG, "key_fwd", dict(sel_kernel.CONFIG["key_fwd"], rows=16, chunk_rows=32))
+        monkeypatch.setitem(sel_kernel.CONFIG, "key_bwd", dict(sel_kernel.CONFIG["key_bwd"], rows=16))
+        monkeypatch.setattr(sel_kernel, "CHUNK_ROWS", 32)
+    return request.param
+
+
+def fwd_lse(q, k, v, idx, l, cu_seqlens=None):
+    """o and the saved base-2 lse (what the backward reads) of the forward op."""
+    return sel_kernel.sel_attn_fwd(q, k, v, idx, l, q.shape[3] ** -0.5, cu_seqlens)
+
+
+def randn(*shapes, seed, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g).to(device=device, dtype=dtype) for s in shapes]
+
+
+# (B, T, HQ, H, D, DV, n, sel_block, dtype): G = 1, 2, 3, 4, 8, 16; T < l', T not a multiple of l'; D != Dv; l' = 48
+# (one 64-key tile, partly masked); D = 160 (two 32-key sub-blocks per block on the key side)
 CPU_CASES = {
     "G1-D32-T40-B2-fp32": (2, 40, 2, 2, 32, 32, 3, 16, torch.float32),
     "G2-D32-T33-fp16": (1, 33, 4, 2, 32, 32, 2, 16, torch.float16),
     "G3-D48-Dv32-T37-fp32": (1, 37, 3, 1, 48, 32, 3, 16, torch.float32),
     "G4-D64-T20<l'-fp16": (1, 20, 4, 1, 64, 64, 2, 32, torch.float16),
-    "G8-D32-T50-n4-fp32": (1, 50, 8, 1, 32, 32, 4, 16, torch.float32),
+    "G8-D32-Dv48-T50-n4-fp32": (1, 50, 8, 1, 32, 48, 4, 16, torch.float32),
     "G16-D32-Dv64-T30-fp16": (1, 30, 16, 1, 32, 64, 2, 16, torch.float16),
     "G2-lsel48-T100-fp32": (1, 100, 2, 1, 32, 32, 2, 48, torch.float32),
+    "G1-D160-2subblocks-T70-fp32": (1, 70, 2, 2, 160, 32, 3, 64, torch.float32),
 }
+# G = 16 on the query path only (the key path is for small G); sub-blocks on the key path only (its forward splits)
+NOT_ON = {"key": {"G16-D32-Dv64-T30-fp16"}, "query": {"G1-D160-2subblocks-T70-fp32"}}
+CPU_RUNS = [(path, name) for name in CPU_CASES for path in ("query", "key") if name not in NOT_ON[path]]
 
 
-@pytest.mark.parametrize("case", CPU_CASES.values(), ids=CPU_CASES.keys())
-def test_matches_reference_cpu(case):
+@pytest.mark.parametrize("path,case", [(path, CPU_CASES[name]) for path, name in CPU_RUNS], indirect=["path"],
+                         ids=[f"{path}-{name}" for path, name in CPU_RUNS])
+def test_matches_reference_cpu(path, case):
     *shape, dtype = case
     out, ref = run_both(*shape, dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
@@ -68,7 +98,8 @@ def test_matches_reference_cpu(case):
         assert rel_rmse(a, b) <= tol, f"{name}: rel RMSE {rel_rmse(a, b):.2e} > {tol}"
 
 
-def test_union_tiles_match_reference(monkeypatch):
+@pytest.mark.parametrize("path", ["query"], indirect=True)
+def test_union_tiles_match_reference(path, monkeypatch):
     """union=True: a tile of several tokens loads a block listed by several of them once (the other launch choice)."""
     for kname in ("fwd", "dq"):
         monkeypatch.setitem(sel_kernel.CONFIG, kname, dict(sel_kernel.CONFIG[kname], union=True))
@@ -77,75 +108,158 @@ def test_union_tiles_match_reference(monkeypatch):
         assert rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
 
 
-def test_varlen_matches_reference_and_separate_runs():
+def test_key_path_default_launch_config_matches_reference(monkeypatch):
+    """The key-centric path at the GPU's tile and chunk sizes (one chunk per block here) gives the same answer."""
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", "key")
+    out, ref = run_both(1, 45, 4, 2, 32, 32, 3, 16, torch.float32, seed=3)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), out, ref):
+        assert rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
+
+
+@pytest.mark.parametrize("path", ["key"], indirect=True)
+@pytest.mark.parametrize("G", [1, 3])
+def test_key_path_same_o_and_lse_as_query_path(G, path, monkeypatch):
+    """o and the saved lse equal the query-centric forward's (fp32 rounding apart), and each backward run after
+    the other path's forward gives the reference gradients: the two paths share their conventions."""
+    B, T, H, D, n, l = 1, 37, 2, 32, 3, 16
+    q, k, v, do = randn((B, T, H * G, D), (B, T, H, D), (B, T, H, D), (B, T, H * G, D), seed=20 + G)
+    idx = random_indices(B, T, H, n, l, seed=20 + G)
+    o_key, lse_key = fwd_lse(q, k, v, idx, l)
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", "query")
+    o_q, lse_q = fwd_lse(q, k, v, idx, l)
+    assert rel_rmse(o_key, o_q) <= 1e-6
+    assert torch.allclose(lse_key, lse_q, rtol=0, atol=1e-5)
+    qr = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = torch.autograd.grad(nsa_attention.selection_attention(*qr, idx, l, backend="torch"), qr, do.double())
+    for fwd_path, bwd_path in (("key", "query"), ("query", "key")):
+        qk = [x.clone().requires_grad_() for x in (q, k, v)]
+        monkeypatch.setitem(sel_kernel.CONFIG, "path", fwd_path)
+        o = sel_kernel.selection_attention_triton(*qk, idx, l)
+        monkeypatch.setitem(sel_kernel.CONFIG, "path", bwd_path)
+        for name, a, b in zip(("dq", "dk", "dv"), torch.autograd.grad(o, qk, do), ref):
+            assert rel_rmse(a, b) <= 1e-5, f"{fwd_path} fwd, {bwd_path} bwd, {name}: rel RMSE {rel_rmse(a, b):.2e}"
+
+
+@pytest.mark.parametrize("path", ["key"], indirect=True)
+def test_key_path_fp16_partials_near_query_path_error(path, monkeypatch):
+    """The key path stores its o and dq partials in the input dtype: in fp16 its errors against the fp64 reference
+    stay near the query path's, also with keys that share a large component (the blocks' dq partials cancel)."""
+    B, T, HQ, H, D, n, l = 1, 34, 2, 1, 32, 3, 16
+    q, k, v, do = randn((B, T, HQ, D), (B, T, H, D), (B, T, H, D), (B, T, HQ, D), seed=17)
+    k = k + 3 * randn((D,), seed=18)[0]
+    q, k, v, do = (x.half() for x in (q, k, v, do))
+    idx = random_indices(B, T, H, n, l, seed=17)
+    qr = [x.double().requires_grad_() for x in (q, k, v)]
+    o_ref = nsa_attention.selection_attention(*qr, idx, l, backend="torch")
+    ref = (o_ref, *torch.autograd.grad(o_ref, qr, do.double()))
+    err = {}
+    for p in ("key", "query"):
+        monkeypatch.setitem(sel_kernel.CONFIG, "path", p)
+        qk = [x.clone().requires_grad_() for x in (q, k, v)]
+        o = sel_kernel.selection_attention_triton(*qk, idx, l)
+        err[p] = [rel_rmse(a, b) for a, b in zip((o, *torch.autograd.grad(o, qk, do)), ref)]
+    for name, e_key, e_query in zip(("o", "dq", "dk", "dv"), err["key"], err["query"]):
+        assert e_key <= 1.5 * e_query, f"{name}: key path rel RMSE {e_key:.2e}, query path {e_query:.2e}"
+
+
+def test_varlen_matches_reference_and_separate_runs(path):
     cu = torch.tensor([0, 13, 13, 50, 77], dtype=torch.int32)  # an empty sequence, lengths not multiples of l'
     out, ref = run_both(1, 77, 4, 2, 32, 32, 3, 16, torch.float32, cu_seqlens=cu, seed=1)
     for name, a, b in zip(("o", "dq", "dk", "dv"), out, ref):
         assert rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
-    # each sequence alone gives the same rows (no read crosses a boundary)
-    g = torch.Generator().manual_seed(2)
-    q, k, v = torch.randn(1, 77, 4, 32, generator=g), torch.randn(1, 77, 2, 32, generator=g), torch.randn(1, 77, 2, 32, generator=g)
+    q, k, v = randn((1, 77, 4, 32), (1, 77, 2, 32), (1, 77, 2, 32), seed=2)
     idx = random_indices(1, 77, 2, 3, 16, seed=3, cu_seqlens=cu)
-    o = sel_kernel.selection_attention_triton(q, k, v, idx, 16, None, cu)
-    for a, b in ((0, 13), (13, 50), (50, 77)):
-        o_alone = sel_kernel.selection_attention_triton(q[:, a:b], k[:, a:b], v[:, a:b], idx[:, a:b], 16)
-        assert torch.equal(o[:, a:b], o_alone)
+    o, lse = fwd_lse(q, k, v, idx, 16, cu)
+    for a, b in ((0, 13), (13, 50), (50, 77)):  # each sequence alone gives the same rows: no read crosses a start
+        o_alone, lse_alone = fwd_lse(q[:, a:b], k[:, a:b], v[:, a:b], idx[:, a:b], 16)
+        assert torch.equal(o[:, a:b], o_alone) and torch.equal(lse[:, a:b], lse_alone)
 
 
-def test_no_unwritten_outputs_nan_poison(monkeypatch):
-    """Every float buffer the op allocates starts as NaN; the outputs and grads must still be finite and right."""
+@pytest.mark.parametrize("path", ["key"], indirect=True)
+def test_varlen_never_reads_the_next_sequence(path):
+    """A sequence ending inside a block (40 = 2.5 blocks): NaN keys of the next sequence reach none of its outputs
+    or gradients, though the key path loads whole blocks."""
+    cu = torch.tensor([0, 40, 77], dtype=torch.int32)
+    q, k, v, do = randn((1, 77, 4, 32), (1, 77, 2, 32), (1, 77, 2, 32), (1, 77, 4, 32), seed=16)
+    k[:, 40:], v[:, 40:] = float("nan"), float("nan")
+    idx = random_indices(1, 77, 2, 3, 16, seed=16, cu_seqlens=cu)
+    qk = [x.clone().requires_grad_() for x in (q, k, v)]
+    o = sel_kernel.selection_attention_triton(*qk, idx, 16, None, cu)
+    do[:, 40:] = 0
+    grads = torch.autograd.grad(o, qk, do)
+    qr = [x[:, :40].double().requires_grad_() for x in (q, k, v)]
+    o_ref = nsa_attention.selection_attention(*qr, idx[:, :40], 16, backend="torch")
+    grads_ref = torch.autograd.grad(o_ref, qr, do[:, :40].double())
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (o, *grads), (o_ref, *grads_ref)):
+        assert torch.isfinite(a[:, :40]).all(), f"{name} of the first sequence is not finite"
+        assert rel_rmse(a[:, :40], b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a[:, :40], b):.2e}"
+
+
+def test_no_unwritten_outputs_nan_poison(path, monkeypatch):
+    """Every buffer the op allocates (partials included) starts as NaN (ints as a huge negative): the outputs, the
+    saved lse and the grads must still be finite and right, so no unwritten element is ever read."""
     empty, empty_like = torch.empty, torch.empty_like
 
-    def nan_empty(*a, **kw):
-        x = empty(*a, **kw)
+    def poison(x):
         return x.fill_(float("nan")) if x.is_floating_point() else x.fill_(-(1 << 30))
 
-    def nan_empty_like(*a, **kw):
-        x = empty_like(*a, **kw)
-        return x.fill_(float("nan")) if x.is_floating_point() else x.fill_(-(1 << 30))
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
-    out, ref = run_both(1, 45, 4, 2, 32, 32, 3, 16, torch.float32, seed=4)
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+    q, k, v, do = randn((1, 33, 6, 32), (1, 33, 2, 32), (1, 33, 2, 32), (1, 33, 6, 32), seed=4)  # G = 3: rows
+    idx = random_indices(1, 33, 2, 4, 16, seed=4)                                                # g >= G masked
+    qk = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = fwd_lse(*qk, idx, 16)
+    out = (o, *torch.autograd.grad(o, qk, do))
     monkeypatch.undo()
+    qr = [x.double().requires_grad_() for x in (q, k, v)]
+    o_ref = nsa_attention.selection_attention(*qr, idx, 16, backend="torch")
+    ref = (o_ref, *torch.autograd.grad(o_ref, qr, do.double()))
+    assert torch.isfinite(lse).all()
     for name, a, b in zip(("o", "dq", "dk", "dv"), out, ref):
         assert torch.isfinite(a).all(), f"{name} has unwritten (NaN) elements"
         assert rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
 
 
-def test_deterministic_two_runs_bit_identical():
+def test_deterministic_two_runs_bit_identical(path):
     a, _ = run_both(1, 40, 4, 1, 32, 32, 4, 16, torch.float32, seed=5)
     b, _ = run_both(1, 40, 4, 1, 32, 32, 4, 16, torch.float32, seed=5)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
 
-def test_out_of_range_ids_ignored_and_no_future_reads():
-    B, T, HQ, H, D, n, l = 1, 48, 2, 1, 32, 4, 16
+def test_out_of_range_and_repeated_ids_ignored_no_future_reads(path):
+    """Ids past t // l', below -1, far outside the tensor, or repeated change nothing; NaN keys after the first half
+    never reach the first half's outputs or dq, which match the reference and equal a run on the first half alone.
+    The query path loads no key past its tile's last token, so its half ends inside a block; the key path loads
+    whole blocks (sel_kernel.py, "Masks"), so its half ends at a block."""
+    B, T, HQ, H, D, n, l = 1, 48, 2, 1, 32, 5, 16
     idx = random_indices(B, T, H, n, l, seed=6)
     bad = idx.clone()
     t = torch.arange(T)[None, :, None]
     bad[..., -1] = torch.where(bad[..., -1] == -1, t // l + 1, bad[..., -1])  # future block
     bad[..., -2] = torch.where(bad[..., -2] == -1, -7, bad[..., -2])          # below -1
-    bad[0, 5, 0, 3], bad[0, 40, 0, 3] = 1 << 30, (1 << 31) - 1                  # far outside the tensor
+    bad[..., -3] = torch.where(bad[..., -3] == -1, bad[..., 0], bad[..., -3])  # a repeat of slot 0
+    bad[0, 5, 0, 4], bad[0, 40, 0, 4] = 1 << 30, (1 << 31) - 1                  # far outside the tensor
     assert (bad != idx).any()
-    g = torch.Generator().manual_seed(7)
-    q, k, v = torch.randn(B, T, HQ, D, generator=g), torch.randn(B, T, H, D, generator=g), torch.randn(B, T, H, D, generator=g)
-    half = T // 2
+    q, k, v = randn((B, T, HQ, D), (B, T, H, D), (B, T, H, D), seed=7)
+    half = T // 2 if path == "query" else 2 * l
     k[:, half:], v[:, half:] = float("nan"), float("nan")                      # the future of the first half
     qg = q.clone().requires_grad_()
     o = sel_kernel.selection_attention_triton(qg, k, v, bad, l)
     (dq,) = torch.autograd.grad(o[:, :half].sum(), qg)
-    o_ref = nsa_attention.selection_attention(q[:, :half].double(), k[:, :half].double(), v[:, :half].double(),
-                                              idx[:, :half], l, backend="torch")
+    qr = q[:, :half].double().requires_grad_()
+    o_ref = nsa_attention.selection_attention(qr, k[:, :half].double(), v[:, :half].double(), idx[:, :half], l,
+                                              backend="torch")
+    (dq_ref,) = torch.autograd.grad(o_ref.sum(), qr)
     assert torch.isfinite(o[:, :half]).all() and torch.isfinite(dq[:, :half]).all()
-    assert rel_rmse(o[:, :half], o_ref) <= 1e-5
+    assert rel_rmse(o[:, :half], o_ref) <= 1e-5 and rel_rmse(dq[:, :half], dq_ref) <= 1e-5
     q2 = q[:, :half].clone().requires_grad_()
-    (dq_ref,) = torch.autograd.grad(sel_kernel.selection_attention_triton(q2, k[:, :half], v[:, :half], idx[:, :half], l).sum(), q2)
-    assert torch.equal(dq[:, :half], dq_ref)
+    (dq_alone,) = torch.autograd.grad(sel_kernel.selection_attention_triton(q2, k[:, :half], v[:, :half],
+                                                                            idx[:, :half], l).sum(), q2)
+    assert torch.equal(dq[:, :half], dq_alone)
 
 
-def test_query_with_no_key_gives_zero():
+def test_query_with_no_key_gives_zero_and_minus_inf_lse(path):
     B, T, H, n, l = 1, 20, 1, 2, 16
     idx = random_indices(B, T, H, n, l, seed=8)
     idx[0, 3:9] = -1
@@ -153,9 +267,13 @@ def test_query_with_no_key_gives_zero():
     assert (out[0][0, 3:9] == 0).all() and (out[1][0, 3:9] == 0).all()
     for a, b in zip(out, ref):
         assert rel_rmse(a, b) <= 1e-5
+    q, k, v = randn((B, T, 2, 32), (B, T, H, 32), (B, T, H, 32), seed=8)
+    _, lse = fwd_lse(q, k, v, idx, l)
+    assert (lse[0, 3:9] == float("-inf")).all() and torch.isfinite(lse[0, 9:]).all()
 
 
-def test_duplicate_ids_count_once():
+@pytest.mark.parametrize("path", ["query"], indirect=True)
+def test_duplicate_ids_count_once(path):
     """The keys are a union of blocks: an id listed twice by a token (select_blocks never does) counts once."""
     B, T, H, n, l = 1, 34, 1, 3, 16
     idx = random_indices(B, T, H, n, l, seed=10)
@@ -168,7 +286,7 @@ def test_duplicate_ids_count_once():
         assert rel_rmse(x, y) <= 1e-6
 
 
-def test_empty_inputs():
+def test_empty_inputs(path):
     """T = 0, B = 0 and n = 0, with and without cu_seqlens: no launch, o = 0 and zero gradients of the right shapes."""
     for B, T, n, cu in ((1, 0, 3, None), (0, 20, 3, None), (1, 0, 3, [0, 0]), (1, 20, 0, None), (1, 20, 0, [0, 20])):
         cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
@@ -179,23 +297,32 @@ def test_empty_inputs():
         assert all(g.shape == x.shape and (g == 0).all() for g, x in zip(grads, qk))
 
 
+def test_auto_rule_and_bad_path(monkeypatch):
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
+    G, NT = sel_kernel.KEY_MAX_G, sel_kernel.KEY_MIN_TOKENS
+    assert sel_kernel._key_path(G, NT) and sel_kernel._key_path(1, NT)
+    assert not sel_kernel._key_path(G + 1, NT) and not sel_kernel._key_path(1, NT - 1)
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", "query")
+    assert not sel_kernel._key_path(1, NT)
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", "keys")
+    with pytest.raises(ValueError, match="'auto', 'query' or 'key'"):
+        sel_kernel._key_path(1, NT)
+
+
 def _compiled_loss(q, k, v, idx, l, backend):
     f = torch.compile(lambda q, k, v: (sel_kernel.selection_attention_triton(q, k, v, idx, l).float() ** 2).sum(),
                       fullgraph=True, backend=backend)
     return f(q, k, v)
 
 
-def test_compile_fullgraph_cpu():
+def test_compile_fullgraph_cpu(path):
     torch._dynamo.reset()
-    g = torch.Generator().manual_seed(9)
-    q, k, v = torch.randn(1, 24, 4, 32, generator=g), torch.randn(1, 24, 2, 32, generator=g), torch.randn(1, 24, 2, 32, generator=g)
+    q, k, v = randn((1, 24, 4, 32), (1, 24, 2, 32), (1, 24, 2, 32), seed=9)
     idx = random_indices(1, 24, 2, 2, 16, seed=9)
     qk = [x.clone().requires_grad_() for x in (q, k, v)]
-    loss = _compiled_loss(*qk, idx, 16, "aot_eager")  # fullgraph=True raises on any graph break
-    grads = torch.autograd.grad(loss, qk)
+    grads = torch.autograd.grad(_compiled_loss(*qk, idx, 16, "aot_eager"), qk)  # fullgraph: no graph break
     qe = [x.clone().requires_grad_() for x in (q, k, v)]
-    loss_e = (sel_kernel.selection_attention_triton(*qe, idx, 16) ** 2).sum()
-    for a, b in zip(grads, torch.autograd.grad(loss_e, qe)):
+    for a, b in zip(grads, torch.autograd.grad((sel_kernel.selection_attention_triton(*qe, idx, 16) ** 2).sum(), qe)):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -218,15 +345,20 @@ def test_bad_input_errors():
 # ----------------------------------------------------------------------------------------------------------------
 # GPU (run on the device; skipped without CUDA)
 
-GPU_CASES = [(G, D, DV, torch.bfloat16) for G, D, DV in ((1, 64, 64), (2, 32, 32), (3, 64, 64), (4, 128, 128),
+QUERY_GPU = [(G, D, DV, torch.bfloat16) for G, D, DV in ((1, 64, 64), (2, 32, 32), (3, 64, 64), (4, 128, 128),
                                                           (8, 192, 192), (16, 128, 128), (32, 64, 64), (4, 256, 256),
                                                           (16, 192, 128))] + [(4, 128, 128, torch.float16),
                                                                                (16, 64, 32, torch.float16)]
+KEY_GPU = [(G, D, DV, torch.bfloat16) for G, D, DV in ((1, 128, 128), (2, 64, 64), (3, 64, 32), (4, 128, 128),
+                                                        (8, 64, 64), (4, 256, 192), (1, 16, 16))] + \
+          [(4, 128, 128, torch.float16)]
+GPU_CASES = [("query", *c) for c in QUERY_GPU] + [("key", *c) for c in KEY_GPU]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("G,D,DV,dtype", GPU_CASES, ids=[f"G{G}-D{D}-Dv{DV}-{str(dt)[6:]}" for G, D, DV, dt in GPU_CASES])
-def test_matches_reference_gpu(G, D, DV, dtype):
+@pytest.mark.parametrize("path,G,D,DV,dtype", GPU_CASES, indirect=["path"],
+                         ids=[f"{p}-G{G}-D{D}-Dv{DV}-{str(dt)[6:]}" for p, G, D, DV, dt in GPU_CASES])
+def test_matches_reference_gpu(path, G, D, DV, dtype):
     H = 2
     out, ref = run_both(1, 1000, H * G, H, D, DV, 16, 64, dtype, device="cuda", seed=G + D)
     for name, a, b in zip(("o", "dq", "dk", "dv"), out, ref):
@@ -234,17 +366,19 @@ def test_matches_reference_gpu(G, D, DV, dtype):
 
 
 @pytest.mark.gpu
-def test_varlen_gpu():
+@pytest.mark.parametrize("path,HQ", [("query", 16), ("key", 8)], indirect=["path"])
+def test_varlen_gpu(path, HQ):
     cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
-    out, ref = run_both(1, 2000, 16, 4, 128, 128, 16, 64, torch.bfloat16, device="cuda", cu_seqlens=cu)
+    out, ref = run_both(1, 2000, HQ, 4, 128, 128, 16, 64, torch.bfloat16, device="cuda", cu_seqlens=cu)
     for name, a, b in zip(("o", "dq", "dk", "dv"), out, ref):
         assert rel_rmse(a, b) <= 1e-2, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
 
 
 @pytest.mark.gpu
-def test_deterministic_gpu():
-    a, _ = run_both(1, 8192, 16, 1, 128, 128, 16, 64, torch.bfloat16, device="cuda", seed=11)
-    b, _ = run_both(1, 8192, 16, 1, 128, 128, 16, 64, torch.bfloat16, device="cuda", seed=11)
+@pytest.mark.parametrize("path,HQ", [("query", 16), ("key", 4)], indirect=["path"])
+def test_deterministic_gpu(path, HQ):
+    a, _ = run_both(1, 8192, HQ, 1, 128, 128, 16, 64, torch.bfloat16, device="cuda", seed=11)
+    b, _ = run_both(1, 8192, HQ, 1, 128, 128, 16, 64, torch.bfloat16, device="cuda", seed=11)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
@@ -259,6 +393,14 @@ def test_long_sequence_65536_gpu():
 def test_64bit_offsets_gpu():
     """B*T*HQ*D = 2^32 elements (B=2, T=131072, HQ=64, D=256): offsets past 2^31 must not wrap."""
     check_long(2, 131072, 64, 4, 256, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["key"], indirect=True)
+def test_64bit_partial_offsets_gpu(path):
+    """Key path, T = 131072, G = 1, H = 4, n = 16, D = 128: the (token, head, slot) partials hold 2^32 elements, so
+    rows near the end sit past 2^31; they must equal a direct fp32 computation (and every gradient stays finite)."""
+    check_long(1, 131072, 4, 4, 128, 128)
 
 
 def check_long(B, T, HQ, H, D, DV, n=16, l=64):
@@ -281,7 +423,7 @@ def check_long(B, T, HQ, H, D, DV, n=16, l=64):
 
 
 @pytest.mark.gpu
-def test_compile_fullgraph_gpu():
+def test_compile_fullgraph_gpu(path):
     torch._dynamo.reset()
     q, k, v = (torch.randn(1, 512, h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
     idx = random_indices(1, 512, 2, 4, 64, seed=13, device="cuda")
@@ -294,7 +436,7 @@ def test_compile_fullgraph_gpu():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_gpu():
+def test_cuda_graph_capture_gpu(path):
     """No host sync in forward or backward: the whole step captures into a CUDA graph and replays to the same bits."""
     q, k, v = (torch.randn(1, 1024, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2))
     idx = random_indices(1, 1024, 2, 8, 64, seed=15, device="cuda")
