@@ -169,7 +169,7 @@ def next_batch(data, gen):
 
 
 # -----------------------------------------------------------------------------
-# model: from scratch, or from out_dir/ckpt.pt in its architecture (a setting that contradicts it is an error)
+# model: from scratch, or from a checkpoint in its architecture (a setting that contradicts it is an error)
 model_keys = [k for k in GPTConfig.__dataclass_fields__ if k in config]  # GPTConfig's fields that are settings here
 model_args = dict(vocab_size=meta["vocab_size"], **{k: globals()[k] for k in model_keys})
 iter_num, best_val_loss, ckpt = 0, float("inf"), None
@@ -189,9 +189,9 @@ if init_from != "scratch":
         raise ValueError(f"init_from={init_from!r} continues {start_path} in its architecture, but this run sets "
                          f"{', '.join(clash)}: drop those settings, or train a new model from scratch")
     if saved["vocab_size"] != meta["vocab_size"]:
-        raise ValueError(f"{ckpt_path} was trained on {ckpt.get('tokenizer')} tokens (vocab {saved['vocab_size']}) "
+        raise ValueError(f"{start_path} was trained on {ckpt.get('tokenizer')} tokens (vocab {saved['vocab_size']}) "
                          f"but data_dir={data_dir!r} holds {meta['tokenizer']} tokens (vocab {meta['vocab_size']}): "
-                         f"resume with the checkpoint's --data_dir={ckpt.get('config', {}).get('data_dir')!r}")
+                         f"use data of its tokenizer, e.g. its --data_dir={ckpt.get('config', {}).get('data_dir')!r}")
     model_args.update({k: v for k, v in saved.items() if k not in own})
     block_size = model_args["block_size"]  # the batches' length too
     config.update({k: model_args[k] for k in model_keys})

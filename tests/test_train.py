@@ -296,7 +296,7 @@ def test_resume_refuses_what_does_not_fit_the_checkpoint(full_run, data_dir, tmp
                                          r"sets n_layer=4 \(the checkpoint has 2\)"):
         train_here(data_dir, tmp_path, "--init_from=resume", "--n_layer=4")
     with pytest.raises(ValueError, match=r"ckpt.pt was trained on byte tokens \(vocab 257\) but data_dir=.* holds "
-                                         r"gpt2 tokens \(vocab 50257\): resume with the checkpoint's --data_dir="):
+                                         r"gpt2 tokens \(vocab 50257\): use data of its tokenizer, e.g. its --data_dir="):
         train_here(gpt2_like_data(tmp_path / "gpt2"), tmp_path, "--init_from=resume")
     for data in (b"", open(os.path.join(full_run, "ckpt.pt"), "rb").read()[:5000], os.urandom(5000)):
         (tmp_path / "ckpt.pt").write_bytes(data)                               # empty, truncated, random
