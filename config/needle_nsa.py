@@ -1,4 +1,5 @@
-# python prepare_data.py --dataset=needle --needle_min_len=1024 && python train.py config/needle_nsa.py  (after stage 1)
+# python prepare_data.py --dataset=needle --needle_min_len=1024 --needle_train_tokens=64_000_000
+# python train.py config/needle_nsa.py  (after stage 1)
 # python sample.py --out_dir=out-needle-nsa --needle=True          (accuracy over 1k..64k x depth 0..100%)
 # Pass-key retrieval, stage 2 of the length curriculum: the stage-1 model (config/needle_nsa_1k.py) goes on at T=8192,
 # on rows of whole documents of 1024..8193 tokens, where the needle is mostly outside the window and the selection

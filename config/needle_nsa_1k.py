@@ -1,4 +1,5 @@
-# python prepare_data.py --dataset=needle --needle_block_size=1024 --needle_min_len=128 --out_dir=data/needle_1k_byte
+# python prepare_data.py --dataset=needle --needle_block_size=1024 --needle_min_len=128 --needle_train_tokens=32_000_000 \
+#   --out_dir=data/needle_1k_byte
 # python train.py config/needle_nsa_1k.py      (stage 1 of 2; then config/needle_nsa.py)
 # Pass-key retrieval, stage 1 of a length curriculum: documents of 128..1025 tokens, so the model finds the copy step
 # (the digits after the earlier "#") where the needle is never far; stage 2 (config/needle_nsa.py) goes on at T=8192
