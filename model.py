@@ -337,7 +337,8 @@ def read_safetensors(path):
             a, b = h["data_offsets"]
             if h["dtype"] not in dtypes or not 0 <= a <= b <= len(body):
                 raise ValueError(f"tensor {name!r}: dtype {h['dtype']} or offsets {a}..{b} not readable")
-            t = torch.frombuffer(bytearray(body[a:b]), dtype=torch.uint8) if b > a else torch.zeros(0, torch.uint8)
+            raw = bytearray(body[a:b])
+            t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
             state[name] = t.view(dtypes[h["dtype"]]).reshape(h["shape"])
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from e

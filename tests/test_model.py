@@ -121,3 +121,21 @@ def test_dropout_only_while_training(attn):
     model.train()
     a, b = model(idx)[0], model(idx)[0]
     assert not torch.allclose(a, b) and not torch.allclose(a, plain(idx)[0])
+
+
+def test_safetensors_round_trip(tmp_path):
+    """write_safetensors / read_safetensors keep every dtype, shape and value, empty tensors too; a file that is not
+    safetensors is a one-line ValueError naming it."""
+    from model import read_safetensors, write_safetensors
+    state = {"w": torch.randn(3, 5), "b": torch.randn(4).bfloat16(), "h": torch.randn(2, 2).half(),
+             "i": torch.arange(6).view(2, 3), "empty": torch.zeros(0, 7)}
+    path = tmp_path / "m.safetensors"
+    with open(path, "wb") as f:
+        write_safetensors(f, state, {"step": "1"})
+    back = read_safetensors(str(path))
+    assert set(back) == set(state)
+    for name, t in state.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
+    path.write_bytes(b"\x10" + b"\x00" * 7 + b"not json")
+    with pytest.raises(ValueError, match=f"^{path} is not a readable safetensors file"):
+        read_safetensors(str(path))
