@@ -85,22 +85,18 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator
 config = {k: globals()[k] for k in _config_keys}  # what this run used, saved in the checkpoint
 check_choice(dtype=("bfloat16", "float16", "float32"),
              compile_mode=("default", "reduce-overhead"))
-if min(batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every, save_every) < 1:
-    raise ValueError("batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every and "
-                     "save_every must be >= 1")
+if min(batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every, save_every,
+       max_skipped_steps) < 1:
+    raise ValueError("batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every, "
+                     "save_every and max_skipped_steps must be >= 1")
 if doc_batches and batch_size * block_size >= 2**31:
     raise ValueError(f"doc_batches needs batch_size * block_size < 2**31, got {batch_size * block_size}")
-# out_dir: an earlier run's checkpoint and log are replaced only when asked; an unwritable out_dir fails here
+# out_dir: an earlier run's checkpoint and log are replaced only when asked (made once the run is set up, below)
 ckpt_path, log_path, stop_path = (os.path.join(out_dir, f) for f in ("ckpt.pt", "train_log.csv", "STOP"))
 earlier = [path for path in (ckpt_path, log_path) if os.path.exists(path)]
 if init_from != "resume" and earlier and not overwrite:
     raise ValueError(f"{earlier[0]} is from an earlier run: continue it with --init_from=resume, choose another "
                      f"--out_dir, or pass --overwrite=True to replace it")
-try:
-    os.makedirs(out_dir, exist_ok=True)
-    tempfile.TemporaryFile(dir=out_dir).close()
-except OSError as e:
-    raise ValueError(f"cannot write to out_dir={out_dir!r} ({e.strerror}): choose another --out_dir") from None
 
 # -----------------------------------------------------------------------------
 # DDP / device: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE; NCCL on CUDA, gloo on CPU
@@ -150,7 +146,8 @@ train_gen = torch.Generator().manual_seed(seed)
 
 def get_batch(data, gen, mine=True):
     """The next micro-batch of the shared stream on the device (mine=False: another rank's, drawn to advance gen):
-    x, y (B, T) int64, cu_seqlens None; with doc_batches x, y (1, B*T), cu_seqlens int32 (N + 1,)."""
+    x, y (B, T) int64, cu_seqlens None; with doc_batches x, y (1, B*T), cu_seqlens int32 (N + 1,), under compile
+    padded with empty sequences to a power of two."""
     x, y, cu = data.doc_batch(batch_size, block_size, gen) if doc_batches else (
         *data.random_batch(batch_size, block_size, gen), None)                 # (B, T) or (1, B*T); (N + 1,)
     if not mine:
@@ -277,7 +274,12 @@ def fail(why):
 
 
 # -----------------------------------------------------------------------------
-# training loop
+# training loop: out_dir is made (and found unwritable) here, so a run that fails to start leaves none behind
+try:
+    os.makedirs(out_dir, exist_ok=True)
+    tempfile.TemporaryFile(dir=out_dir).close()
+except OSError as e:
+    raise ValueError(f"cannot write to out_dir={out_dir!r} ({e.strerror}): choose another --out_dir") from None
 start_iter, resumed = iter_num, init_from == "resume"
 log = TrainLog(log_path, raw_model.config, compare_dir)  # train_log.csv and loss.png (rank 0)
 if master and not resumed:  # overwrite=True (else an error above): the earlier run's checkpoint and log go

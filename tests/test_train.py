@@ -308,7 +308,9 @@ def test_found_before_the_first_step(data_dir, tmp_path, train_here):
     val = json.load(open(os.path.join(data_dir, "meta.json")))["splits"]["val"]["tokens"]   # shorter than train
     with pytest.raises(ValueError, match=f"block_size={val} needs a val shard of at least {val + 1} tokens, the "
                                          f"longest val shard in {data_dir} has {val}"):
-        train_here(data_dir, tmp_path, f"--block_size={val}")
+        train_here(data_dir, tmp_path / "new", f"--block_size={val}")         # no out_dir left behind (below)
+    with pytest.raises(ValueError, match="max_skipped_steps must be >= 1"):
+        train_here(data_dir, tmp_path / "new", "--max_skipped_steps=0")
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=f"cannot write to out_dir='{tmp_path}/file/out'"):
         train_here(data_dir, tmp_path / "file" / "out")
