@@ -9,3 +9,4 @@ init_from = "out-needle-dense-1k/ckpt.pt"
 batch_size = 1
 gradient_accumulation_steps = 4
 compile_mode = "default"
+eval_iters = 32  # evaluations read as many rows as NSA's (1 row x 32 batches)

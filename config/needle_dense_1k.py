@@ -8,3 +8,4 @@ out_dir = "out-needle-dense-1k"
 batch_size = 8
 gradient_accumulation_steps = 4
 compile_mode = "default"
+eval_iters = 32  # evaluations read as many rows as NSA's (8 rows x 32 batches)
