@@ -3,7 +3,7 @@
 # python sample.py --out_dir=out-needle-nsa --needle=True          (accuracy over 1k..64k x depth 0..100%)
 # Pass-key retrieval, stage 2 of the length curriculum: the stage-1 model (config/needle_nsa_1k.py) goes on at T=8192,
 # on rows of whole documents of 1024..8193 tokens, where the needle is mostly outside the window and the selection
-# must find its block. A decode step at 8k reads 511 compressed + 1,024 selected + 512 window keys.
+# must find its block (train.py prints how many keys a query reads).
 # Dense twin: config/needle_dense.py (same data, steps, seed).
 exec(open("config/needle_nsa_1k.py").read())
 out_dir = "out-needle-nsa"
