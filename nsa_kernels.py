@@ -104,6 +104,13 @@ def softmax_finish(m_i, l_i, acc):
     return acc / l_safe[:, None], tl.where(l_i == 0., float("-inf"), m_i + tl.log2(l_safe))
 
 
+@triton.jit
+def cmp_seen(p, A, BB, TC):
+    """Compressed keys a query at position p reads (A = l, BB = d, TC = the sequence's compressed keys): blocks i
+    with i*d + l - 1 <= p."""
+    return tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), TC)
+
+
 def head_sizes(HQ, H, D, DV):
     """The kernels' head constexprs: G = HQ / H query heads per kv head; BG, BD, BDV = G, D, Dv padded to powers of 2
     (BD, BDV >= 16 for tl.dot)."""
@@ -177,7 +184,7 @@ def _range(x, m, lo, hi, KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK
             s, p = x // SEQ_T, x % SEQ_T
             if KIND == 0:
                 b_lo = s * SEQ_TK
-                b_hi = b_lo + tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), SEQ_TK)
+                b_hi = b_lo + cmp_seen(p, A, BB, SEQ_TK)
             else:
                 b_lo = tl.maximum(s * SEQ_T, x - A + 1)
                 b_hi = x + 1
@@ -501,12 +508,6 @@ def _dec_store_partial(m_out, l_out, acc_out, part, m_i, l_i, acc, G: tl.constex
 
 
 @triton.jit
-def _dec_seen(p, A, BB, TC):
-    """Compressed keys a query at position p reads: blocks i with i*d + l - 1 <= p."""
-    return tl.minimum(tl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), TC)
-
-
-@triton.jit
 def _dec_cmp_kernel(q, k, v, k_win, v_win, pos, s_out, m_out, l_out, acc_out, scale_log2, TC, PER_SPLIT, NSPLIT, A,
                     BB, W, WN, NPART, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
                     DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
@@ -520,7 +521,7 @@ def _dec_cmp_kernel(q, k, v, k_win, v_win, pos, s_out, m_out, l_out, acc_out, sc
     is_cmp = i_s < NSPLIT
     if is_cmp:                                                             # compressed keys [start, end)
         start = i_s * PER_SPLIT
-        end = tl.minimum(start + PER_SPLIT, _dec_seen(p, A, BB, TC)).to(tl.int32)
+        end = tl.minimum(start + PER_SPLIT, cmp_seen(p, A, BB, TC)).to(tl.int32)
         k_g, v_g = k + i_bh.to(tl.int64) * TC * D, v + i_bh.to(tl.int64) * TC * DV
     else:                                                                  # window ring slots [start, end)
         start = (i_s - NSPLIT) * WN
@@ -544,7 +545,7 @@ def _dec_score_kernel(s_in, m_in, l_in, pos, score_out, cand_out, TC, NSPLIT, NP
                       BJ: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr):
     i_bh, i_j = tl.program_id(0), tl.program_id(1)
     p = tl.load(pos + i_bh // H)
-    seen = _dec_seen(p, A, BB, TC)
+    seen = cmp_seen(p, A, BB, TC)
     o_s, o_g = tl.arange(0, BS), tl.arange(0, BG)
     part = (i_bh * NPART + o_s)[:, None] * G + o_g[None, :]                    # [BS, BG] compressed partials
     m_p = tl.load(m_in + part, mask=(o_s < NSPLIT)[:, None] & (o_g < G)[None, :], other=float("-inf"))
@@ -606,7 +607,7 @@ def _dec_attend_kernel(q, k_slc, v_slc, pos, cand, idx_out, reads_out, m_out, l_
         tl.store(idx_out + i_bh * NS + o_n, tl.full([BNS], -1, tl.int32),
                  mask=(o_n >= tl.sum(chosen.to(tl.int32), 0)) & (o_n < NS))
         # tokens this group read per branch: visible compressed blocks, the chosen blocks' tokens <= p, the window
-        tl.store(reads_out + i_bh * 3, _dec_seen(p, A, BB, TC).to(tl.int64))
+        tl.store(reads_out + i_bh * 3, cmp_seen(p, A, BB, TC).to(tl.int64))
         tl.store(reads_out + i_bh * 3 + 1,
                  tl.sum(tl.where(chosen, tl.minimum(tl.maximum(p + 1 - j * LS, 0), LS), 0), 0).to(tl.int64))
         tl.store(reads_out + i_bh * 3 + 2, tl.minimum(p + 1, W).to(tl.int64))
@@ -691,7 +692,7 @@ def _ranges(kind, B, T, Tk, a, b, cu_seqlens, cu_seqlens_cmp, device):
 
 
 def _sizes(q, k, v, M):
-    """head_sizes plus BT = M / BG tokens per tile, for packed q (NT, HQ, D), k (NK, H, D), v (NK, H, Dv)."""
+    """head_sizes plus BT = M / BG tokens per tile, for q (..., HQ, D), k (..., H, D), v (..., H, Dv)."""
     c = head_sizes(q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1])
     return dict(c, BT=max(1, M // c["BG"]))
 

@@ -138,7 +138,8 @@ def _sel_fwd_kernel(q, k, v, o, lse, idx, pos, scale_log2, NT,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# backward: delta = rowsum(o * do), then dq (query-centric), then dk/dv (block-centric partials + ordered reduction)
+# backward: delta = rowsum(o * do), then dq (query path; the key path's dq partials come from the dk/dv kernel), then
+# dk/dv (block-centric partials + ordered reduction)
 
 @triton.jit
 def _sel_bwd_delta_kernel(o, do, delta, NR, DV: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr):
@@ -198,13 +199,14 @@ def _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT, H: tl.constexpr,
     kst = key % NT
     o_k = tl.arange(0, BK)
     u = kst + i_kc * BK + o_k                             # [BK] global key tokens
-    rel_k = tl.load(pos + kst) + i_kc * BK + o_k          # [BK] key positions inside the sequence
+    kst_pos = tl.load(pos + kst)                           # the block's first key's position inside the sequence
+    rel_k = kst_pos + i_kc * BK + o_k                     # [BK] key positions inside the sequence
     m_k = (i_kc * BK + o_k < BS) & (u < NT) & (e0 < e1)
     m_k &= tl.load(pos + u, mask=m_k, other=-1) == rel_k  # keys of the next sequence are never loaded
     k_off = u * H + i_h
     b_k = load_rows(k, k_off, m_k, D, BD)                                   # [BK, BD]
     b_v = load_rows(v, k_off, m_k, DV, BDV)                                 # [BK, BDV]
-    return e0, e1, i_h, tl.load(pos + kst) // BS, rel_k, m_k, b_k, b_v
+    return e0, e1, i_h, kst_pos // BS, rel_k, m_k, b_k, b_v
 
 
 @triton.jit
