@@ -55,6 +55,8 @@ rep_ms = 100  # triton.testing.do_bench repetitions (ms)
 csv = ""  # write the table here too
 seed = 1337
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())  # overrides
+check_choice(mode=("selection", "layer", "decode"), dtype=("float16", "bfloat16"),
+             indices=("select", "random", "trained"))
 # -----------------------------------------------------------------------------
 
 import torch.nn.functional as F  # noqa: E402
@@ -72,7 +74,7 @@ if not cuda:  # CPU smoke test: tiny shapes for the slow interpreter, fp16 as bf
     layer_seqlens, layer_hq, decode_seqlens, decode_batches = (128,), (4,), (256,), (2,)
     HQ, H, D, Dv, n_select, sel_block, cmp_block, cmp_stride = 4, 2, 32, 32, 4, 16, 16, 8
     dense, sweep, profile = False, False, False
-dt = getattr(torch, dtype, None)
+dt = getattr(torch, dtype)
 
 
 def bench(fn):
@@ -216,11 +218,11 @@ def load_trained():
     try:
         model, _ = sample.load_model(ckpt, backend="auto")
     except ValueError as e:
-        sys.exit(f"error: --ckpt={ckpt}: {e}")
+        raise ValueError(f"--ckpt={ckpt}: {e}") from e
     try:
         val = TokenShards(text, "val")
     except ValueError as e:
-        sys.exit(f"error: --text={text}: {e}")
+        raise ValueError(f"--text={text}: {e}") from e
     c = model.config
     Dm, T_max = c.n_embd // c.n_head, max(seqlens if mode == "selection" else layer_seqlens)
     need = dict(sel_block=sel_block, n_select=n_select)  # what the selections depend on, and in layer mode (the
@@ -229,16 +231,16 @@ def load_trained():
                     head_dim=D, v_head_dim=Dv)
     has = {**vars(c), "head_dim": Dm, "v_head_dim": Dm}
     if c.attn != "nsa" or any(has[k] != v for k, v in need.items()):
-        sys.exit(f"error: --ckpt={ckpt} holds a {c.attn} model with " + " ".join(f"{k}={has[k]}" for k in need)
-                 + "; the bench needs an NSA model with its own " + " ".join(f"{k}={v}" for k, v in need.items())
-                 + " (set the bench's with --key=value)")
+        raise ValueError(f"--ckpt={ckpt} holds a {c.attn} model with " + " ".join(f"{k}={has[k]}" for k in need)
+                         + "; the bench needs an NSA model with its own "
+                         + " ".join(f"{k}={v}" for k, v in need.items()) + " (set the bench's with --key=value)")
     if not 0 <= layer < c.n_layer:
-        sys.exit(f"error: --layer must be in [0, {c.n_layer}) for --ckpt={ckpt}, got {layer}")
+        raise ValueError(f"--layer must be in [0, {c.n_layer}) for --ckpt={ckpt}, got {layer}")
     if val.vocab_size > c.vocab_size:
-        sys.exit(f"error: --text={text} has {val.vocab_size} token ids, the model of --ckpt={ckpt} {c.vocab_size}")
+        raise ValueError(f"--text={text} has {val.vocab_size} token ids, the model of --ckpt={ckpt} {c.vocab_size}")
     if max(len(shard) for shard in val.shards) < B * T_max:
-        sys.exit(f"error: --text={text}: no shard of its val split holds B*T = {B * T_max} tokens; use a smaller T "
-                 f"or a larger data set")
+        raise ValueError(f"--text={text}: no shard of its val split holds B*T = {B * T_max} tokens; use a smaller T "
+                         f"or a larger data set")
     print(f"trained inputs: layer {layer} of {c.n_layer} of {ckpt} (HQ={c.n_head} H={c.n_kv_head} D={Dm} "
           f"block_size={c.block_size}) on the first B*T tokens of {text}'s val split; bench KV head h = the model's "
           f"KV head h mod {c.n_kv_head}; q, k, v {'from the model' if Dm == D == Dv else 'random (head dims differ)'}"
@@ -802,22 +804,15 @@ def run_decode():
 # -----------------------------------------------------------------------------
 
 def main():
-    modes = {"selection": run_selection, "layer": run_layer, "decode": run_decode}
-    if mode not in modes:
-        sys.exit(f"error: --mode must be one of {', '.join(modes)}, got {mode!r}")
-    if dtype not in ("float16", "bfloat16"):
-        sys.exit(f"error: --dtype must be float16 or bfloat16, got {dtype!r}")
-    if indices not in ("select", "random", "trained"):
-        sys.exit(f"error: --indices must be select, random or trained, got {indices!r}")
     if indices != "select" and mode != "selection" and not (indices == "trained" and mode == "layer"):
-        sys.exit(f"error: --indices={indices} is not for --mode={mode}: the layer core selects its own blocks "
-                 f"(from random or, with trained, a model's q and k_cmp); decode fills its cache at random")
+        raise ValueError(f"--indices={indices} is not for --mode={mode}: the layer core selects its own blocks "
+                         f"(from random or, with trained, a model's q and k_cmp); decode fills its cache at random")
     if indices == "trained" and not (ckpt and text):
-        sys.exit("error: --indices=trained needs --ckpt=<out_dir of a trained model> and --text=<prepared data dir>")
+        raise ValueError("--indices=trained needs --ckpt=<out_dir of a trained model> and --text=<prepared data dir>")
     torch.manual_seed(seed)
     print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu (Triton interpreter)'}; torch {torch.__version__}, "
           f"triton {triton.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    modes[mode]()
+    globals()[f"run_{mode}"]()  # run_selection, run_layer or run_decode (the modes check_choice allows above)
 
 
 if __name__ == "__main__":
