@@ -12,7 +12,6 @@ import contextlib
 import csv as csv_lib
 import io
 import os
-import sys
 import time
 
 import torch
@@ -209,14 +208,10 @@ def dense_inputs(q, k, v):
 
 def load_trained():
     """The GPT of --ckpt (eval, on the device) and the val split of --text, checked against the bench's shape."""
-    argv, sys.argv = sys.argv, sys.argv[:1]  # sample.py applies its own --key=value overrides when imported
-    try:
-        import sample
-    finally:
-        sys.argv = argv
+    from model import load_model
     from prepare_data import TokenShards
     try:
-        model, _ = sample.load_model(ckpt, backend="auto")
+        model, _ = load_model(ckpt, backend="auto")
     except ValueError as e:
         raise ValueError(f"--ckpt={ckpt}: {e}") from e
     try:
