@@ -343,13 +343,10 @@ def ref(q, k, v, idx):
 def selection_paths():
     """The selection kernel's paths as overrides of sel_kernel.CONFIG: query-centric tiles (each token loads its own
     blocks), the same tiles with union=True (a block several tokens of a tile chose is loaded once for them), and
-    the key-centric path where the kernel has one."""
-    paths = {"query": {"fwd": {"union": False}, "dq": {"union": False}},
-             "query union": {"fwd": {"union": True}, "dq": {"union": True}}}
-    if "path" in sel_kernel.CONFIG:
-        paths = {name: {**changes, "path": "query"} for name, changes in paths.items()}
-        paths["key"] = {"path": "key"}
-    return paths
+    the key-centric forward."""
+    return {"query": {"path": "query", "fwd": {"union": False}, "dq": {"union": False}},
+            "query union": {"path": "query", "fwd": {"union": True}, "dq": {"union": True}},
+            "key": {"path": "key"}}
 
 
 def tile_tokens(hq):
