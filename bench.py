@@ -403,14 +403,14 @@ def run_selection():
         matmul_tflops()
     rows = []
 
-    def add(T, impl, pass_, ms, flops, base=None):
+    def add(T, loc, impl, pass_, ms, flops, base=None):  # loc: print_locality of the indices at T
         rows.append(dict(T=T, impl=impl, pass_=pass_, ms=ms, tflops=flops / ms / 1e9 if ms else float("nan"),
-                         speedup=(base / ms) if base else float("nan"), indices=source, next_overlap=overlap,
-                         tile_blocks=tile_blocks))
+                         speedup=(base / ms) if base else float("nan"), indices=source, next_overlap=loc[0],
+                         tile_blocks=loc[1]))
 
     for T in seqlens:
         q, k, v, idx = selection_inputs(T, trained)
-        overlap, tile_blocks = print_locality(T, HQ, idx)
+        loc = print_locality(T, HQ, idx)
         sel_flops = 4 * B * T * HQ * (n_select * sel_block) * D  # every selected key counted
         dense_flops = 4 * B * T * T * HQ * D / 2  # causal
         base = {}
@@ -418,8 +418,8 @@ def run_selection():
             for name, fn in sdpa_backends().items():
                 try:
                     df, dfb = fwd_bwd(fn, *dense_inputs(q, k, v))
-                    add(T, f"dense {name}", "fwd", bench(df), dense_flops)
-                    add(T, f"dense {name}", "fwd+bwd", bench(dfb), 3.5 * dense_flops)
+                    add(T, loc, f"dense {name}", "fwd", bench(df), dense_flops)
+                    add(T, loc, f"dense {name}", "fwd+bwd", bench(dfb), 3.5 * dense_flops)
                 except RuntimeError as e:  # backend not available for this shape / GPU
                     print(f"T={T} dense {name}: skipped ({str(e).splitlines()[0][:80]})")
                 free_memory()
@@ -430,8 +430,8 @@ def run_selection():
         for impl, (fn, changes) in impls.items():
             with overridden(sel_kernel.CONFIG, changes):
                 f, fb = fwd_bwd(fn, q, k, v, idx)
-                add(T, impl, "fwd", bench(f), sel_flops, base.get("fwd"))
-                add(T, impl, "fwd+bwd", bench(fb), 3.5 * sel_flops, base.get("fwd+bwd"))
+                add(T, loc, impl, "fwd", bench(f), sel_flops, base.get("fwd"))
+                add(T, loc, impl, "fwd+bwd", bench(fb), 3.5 * sel_flops, base.get("fwd+bwd"))
         del q, k, v, idx, f, fb
         free_memory()
 
@@ -563,8 +563,8 @@ def run_layer():
     if sweep:
         return layer_sweep(trained)
     tflops, gbps, rows = matmul_tflops(), copy_gbps(), []
+    cmp, select, slc, win, gate, core = layer_parts("triton")
     for hq in layer_hq:
-        cmp, select, slc, win, gate, core = layer_parts("triton")
         for T in layer_seqlens:
             xs = layer_inputs(T, hq, trained)
             q, kc, vc, ks, vs, kw, vw, gl = xs
@@ -579,7 +579,8 @@ def run_layer():
                     if fn is None:
                         continue
                     ms = bench(fn)
-                    dense_ms.update({p: ms} if name == "dense cudnn" else {})
+                    if name == "dense cudnn":
+                        dense_ms[p] = ms
                     mem = peak_extra_gib(fn) if p == "fwd+bwd" and name in ("dense cudnn", "NSA layer core") \
                         else float("nan")
                     share = floors[name][p] / floors["NSA layer core"][p] if name != "dense cudnn" else float("nan")
@@ -719,7 +720,7 @@ def run_decode():
     from nsa_attention import NSAAttention, decode_compressed, decode_select, decode_selection, decode_window
     if check:
         decode_check()
-    cfg = decode_config(HQ)
+    cfg, tri_cfg, ref_cfg = decode_config(HQ), decode_config(HQ, backend="triton"), decode_config(HQ, backend="torch")
     scale, rows = D ** -0.5, []
     backends = [n for n in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION") if hasattr(SDPBackend, n)]
     for S in decode_seqlens:
@@ -751,7 +752,6 @@ def run_decode():
                 _, p, _ = decode_compressed(q, cache.k_cmp, cache.v_cmp, pos, cmp_block, cmp_stride, scale)
                 idx, _ = decode_select(p, pos, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local,
                                        cache.sel_score.shape[-1])
-                tri_cfg, ref_cfg = decode_config(HQ, backend="triton"), decode_config(HQ, backend="torch")
                 parts = {
                     "nsa decode (triton)": (lambda: nsa_attention.decode_attention(q, cache, pos, g, tri_cfg),
                                             sum(reads)),
