@@ -141,16 +141,16 @@ def sweep_configs(title, table, grid, ops):
             print(f"  {kname:<6} {' '.join(f'{k}={v}' for k, v in cfg.items()):<44} {res}")
 
 
-def profile_table(fn):
-    """Per-kernel CUDA time of fn() over three runs (torch.profiler)."""
+def kernel_times(fn, reps):
+    """CUDA time per kernel over `reps` runs of fn() after one outside the count: torch.profiler's key_averages()."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     fn()
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+        for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+    return prof.key_averages()
 
 
 def matmul_tflops():
@@ -172,19 +172,26 @@ def copy_gbps():
 
 
 # -----------------------------------------------------------------------------
-# dense causal attention baselines (k, v expanded to HQ heads outside the timed region)
+# dense attention baselines (causal: k, v expanded to HQ heads outside the timed region; decode: GQA inside SDPA)
 
-def sdpa_backends():
+def sdpa_backends(**kw):
+    """{name: f(q, k, v)}: F.scaled_dot_product_attention(q, k, v, **kw) on one SDPA backend alone, for each backend
+    this torch has; q, k, v (B, heads, T, .)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def sdpa(q, k, v, be):
-        with sdpa_kernel([be]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    def on(backend):
+        def sdpa(q, k, v):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, **kw)
+        return sdpa
 
-    out = {}
-    for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
-        if hasattr(SDPBackend, name):
-            out[name.split("_")[0].lower()] = lambda q, k, v, be=getattr(SDPBackend, name): sdpa(q, k, v, be)
+    return {name.split("_")[0].lower(): on(getattr(SDPBackend, name))
+            for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION") if hasattr(SDPBackend, name)}
+
+
+def dense_baselines():
+    """Dense causal attention f(q, k, v) of dense_inputs: each SDPA backend, and flash-attn's when importable."""
+    out = sdpa_backends(is_causal=True)
     try:
         from flash_attn import flash_attn_func
         out["flash-attn"] = lambda q, k, v: flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -415,7 +422,7 @@ def run_selection():
         dense_flops = 4 * B * T * T * HQ * D / 2  # causal
         base = {}
         if dense:
-            for name, fn in sdpa_backends().items():
+            for name, fn in dense_baselines().items():
                 try:
                     df, dfb = fwd_bwd(fn, *dense_inputs(q, k, v))
                     add(T, loc, f"dense {name}", "fwd", bench(df), dense_flops)
@@ -443,7 +450,8 @@ def run_selection():
     write_csv(list(rows[0]), [list(r.values()) for r in rows])
     if profile:
         q, k, v, idx = selection_inputs(max(seqlens), trained)
-        profile_table(fwd_bwd(ours, q, k, v, idx)[1])
+        times = kernel_times(fwd_bwd(ours, q, k, v, idx)[1], reps=3)
+        print(times.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
 
 
 def selection_sweep(trained, source):
@@ -588,7 +596,7 @@ def run_layer():
                                  ms / floors[name][p], source, overlap, tile_blocks))
 
             if dense:  # first, and its (B, HQ, T, D) copies of k and v freed before the rest
-                time_part("dense cudnn", *fwd_bwd(sdpa_backends()["cudnn"], *dense_inputs(q, ks, vs)))
+                time_part("dense cudnn", *fwd_bwd(sdpa_backends(is_causal=True)["cudnn"], *dense_inputs(q, ks, vs)))
                 free_memory()
             time_part("compressed", *fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc))
             time_part("select_blocks", lambda: select(q, kc, lse), None)
@@ -702,27 +710,19 @@ def decode_check():
 
 
 def profile_decode(replay, S, b, reps=50):
-    """Where a decode step's time goes: CUDA time per kernel over `reps` graph replays (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            replay()
-        torch.cuda.synchronize()
+    """Where a decode step's time goes: CUDA time per kernel over `reps` graph replays."""
     print(f"S={S} B={b} nsa decode (triton), CUDA us per step by kernel:")
-    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+    for e in sorted(kernel_times(replay, reps), key=lambda e: -e.device_time_total)[:8]:
         print(f"  {e.device_time_total / reps:8.2f}  {e.key[:90]}")
 
 
 def run_decode():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from model import DenseAttention
     from nsa_attention import NSAAttention, decode_compressed, decode_select, decode_selection, decode_window
     if check:
         decode_check()
     cfg, tri_cfg, ref_cfg = decode_config(HQ), decode_config(HQ, backend="triton"), decode_config(HQ, backend="torch")
     scale, rows = D ** -0.5, []
-    backends = [n for n in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION") if hasattr(SDPBackend, n)]
     for S in decode_seqlens:
         for b in decode_batches:
             torch.manual_seed(seed)
@@ -732,12 +732,9 @@ def run_decode():
             with torch.no_grad():
                 q4 = torch.randn(b, HQ, 1, D, device=device, dtype=dt)
                 k, v = (torch.randn(b, H, S, D, device=device, dtype=dt) for _ in range(2))
-                for name in backends:
-                    def dense_step(be=getattr(SDPBackend, name)):
-                        with sdpa_kernel([be]):
-                            return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+                for name, sdpa in sdpa_backends(enable_gqa=True).items():  # one query over all S keys: not causal
                     try:
-                        dense_ms[name.split("_")[0].lower()] = bench(graphed(dense_step))
+                        dense_ms[name] = bench(graphed(lambda: sdpa(q4, k, v)))
                     except Exception as e:  # backend unavailable for this shape / GPU / GQA
                         print(f"S={S} B={b} dense {name}: skipped ({str(e).splitlines()[0][:80]})")
                 del q4, k, v
