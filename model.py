@@ -2,8 +2,14 @@
 Token embedding -> n_layer x (RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual) -> RMSNorm -> head.
 train.py trains it, sample.py samples from it, bench.py times its attention.
 """
+import contextlib
+import csv
 import inspect
+import io
+import json
 import math
+import os
+import resource
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +18,7 @@ import torch.nn.functional as F
 
 from nsa_attention import (DecodeCache, NSAAttention, check_cu_seqlens, check_heads, check_prefill, positions, rope,
                            tokens_read_per_query)
+from prepare_data import atomic_write
 
 
 @dataclass
@@ -275,15 +282,6 @@ def peak_flops_of(device_name):
 
 
 # ---- checkpoints, exports, the training log, NSA statistics, the machine: for train.py, sample.py and bench.py ----
-import contextlib  # noqa: E402
-import csv  # noqa: E402
-import io  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import resource  # noqa: E402
-
-from prepare_data import atomic_write  # noqa: E402
-
 
 def load_checkpoint(path, keys=("model_args", "model")):
     """The dict that train.py saved at path, tensors on the CPU. A missing, empty, truncated or foreign file, one

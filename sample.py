@@ -9,6 +9,7 @@ import time
 import torch
 
 from model import cpu_threads, load_model
+from prepare_data import atomic_write
 
 # -----------------------------------------------------------------------------
 out_dir = "out"  # where train.py wrote ckpt.pt (or model.safetensors + config.json)
@@ -229,7 +230,6 @@ def plot_selection_png(path, record, config, layer, group, mark_block=-1):
     ax2.set_ylabel(f"gate ({config.gate})")
     ax2.set_xlim(x0, x1)
     ax2.legend(loc="best", ncol=3)
-    from prepare_data import atomic_write
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
 
@@ -434,7 +434,6 @@ def plot_needle_heatmap(path, csv_paths, train_len):
         mean = sum(a for row in acc for a in row) / sum(len(row) for row in acc)
         ax.set(xlabel="context length (tokens)", ylabel="needle depth (%)", title=f"{name}: mean accuracy {mean:.2f}")
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
-    from prepare_data import atomic_write
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
 
@@ -444,7 +443,7 @@ def needle_main():
     NSA, <needle_out>_selection.png (plot_selection_png of the depth-50% document at needle_plot_length)."""
     import csv
     import io
-    from prepare_data import KEY_DIGITS, atomic_write, load_meta, needle_min_length
+    from prepare_data import KEY_DIGITS, load_meta, needle_min_length
     if not needle_lengths or min(needle_lengths) < needle_min_length(needle_count):
         raise ValueError(f"needle_lengths must be >= {needle_min_length(needle_count)} tokens for "
                          f"needle_count={needle_count}, got {needle_lengths}")
