@@ -26,7 +26,7 @@ def run_bench(tmp_path, *args, ok=True):
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory):
+def bench():
     """bench.py imported (its config at the defaults, main() not run)."""
     argv, sys.argv = sys.argv, ["bench.py"]
     try:
