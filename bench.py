@@ -12,7 +12,6 @@ import contextlib
 import csv as csv_lib
 import io
 import os
-import sys
 import time
 
 import torch
@@ -55,6 +54,8 @@ rep_ms = 100  # triton.testing.do_bench repetitions (ms)
 csv = ""  # write the table here too
 seed = 1337
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())  # overrides
+check_choice(mode=("selection", "layer", "decode"), dtype=("float16", "bfloat16"),
+             indices=("select", "random", "trained"))
 # -----------------------------------------------------------------------------
 
 import torch.nn.functional as F  # noqa: E402
@@ -72,7 +73,7 @@ if not cuda:  # CPU smoke test: tiny shapes for the slow interpreter, fp16 as bf
     layer_seqlens, layer_hq, decode_seqlens, decode_batches = (128,), (4,), (256,), (2,)
     HQ, H, D, Dv, n_select, sel_block, cmp_block, cmp_stride = 4, 2, 32, 32, 4, 16, 16, 8
     dense, sweep, profile = False, False, False
-dt = getattr(torch, dtype, None)
+dt = getattr(torch, dtype)
 
 
 def bench(fn):
@@ -140,16 +141,16 @@ def sweep_configs(title, table, grid, ops):
             print(f"  {kname:<6} {' '.join(f'{k}={v}' for k, v in cfg.items()):<44} {res}")
 
 
-def profile_table(fn):
-    """Per-kernel CUDA time of fn() over three runs (torch.profiler)."""
+def kernel_times(fn, reps):
+    """CUDA time per kernel over `reps` runs of fn() after one outside the count: torch.profiler's key_averages()."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     fn()
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+        for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+    return prof.key_averages()
 
 
 def matmul_tflops():
@@ -171,19 +172,26 @@ def copy_gbps():
 
 
 # -----------------------------------------------------------------------------
-# dense causal attention baselines (k, v expanded to HQ heads outside the timed region)
+# dense attention baselines (causal: k, v expanded to HQ heads outside the timed region; decode: GQA inside SDPA)
 
-def sdpa_backends():
+def sdpa_backends(**kw):
+    """{name: f(q, k, v)}: F.scaled_dot_product_attention(q, k, v, **kw) on one SDPA backend alone, for each backend
+    this torch has; q, k, v (B, heads, T, .)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def sdpa(q, k, v, be):
-        with sdpa_kernel([be]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    def on(backend):
+        def sdpa(q, k, v):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, **kw)
+        return sdpa
 
-    out = {}
-    for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
-        if hasattr(SDPBackend, name):
-            out[name.split("_")[0].lower()] = lambda q, k, v, be=getattr(SDPBackend, name): sdpa(q, k, v, be)
+    return {name.split("_")[0].lower(): on(getattr(SDPBackend, name))
+            for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION") if hasattr(SDPBackend, name)}
+
+
+def dense_baselines():
+    """Dense causal attention f(q, k, v) of dense_inputs: each SDPA backend, and flash-attn's when importable."""
+    out = sdpa_backends(is_causal=True)
     try:
         from flash_attn import flash_attn_func
         out["flash-attn"] = lambda q, k, v: flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -207,20 +215,16 @@ def dense_inputs(q, k, v):
 
 def load_trained():
     """The GPT of --ckpt (eval, on the device) and the val split of --text, checked against the bench's shape."""
-    argv, sys.argv = sys.argv, sys.argv[:1]  # sample.py applies its own --key=value overrides when imported
-    try:
-        import sample
-    finally:
-        sys.argv = argv
+    from model import load_model
     from prepare_data import TokenShards
     try:
-        model, _ = sample.load_model(ckpt, backend="auto")
+        model, _ = load_model(ckpt, backend="auto")
     except ValueError as e:
-        sys.exit(f"error: --ckpt={ckpt}: {e}")
+        raise ValueError(f"--ckpt={ckpt}: {e}") from e
     try:
         val = TokenShards(text, "val")
     except ValueError as e:
-        sys.exit(f"error: --text={text}: {e}")
+        raise ValueError(f"--text={text}: {e}") from e
     c = model.config
     Dm, T_max = c.n_embd // c.n_head, max(seqlens if mode == "selection" else layer_seqlens)
     need = dict(sel_block=sel_block, n_select=n_select)  # what the selections depend on, and in layer mode (the
@@ -229,16 +233,16 @@ def load_trained():
                     head_dim=D, v_head_dim=Dv)
     has = {**vars(c), "head_dim": Dm, "v_head_dim": Dm}
     if c.attn != "nsa" or any(has[k] != v for k, v in need.items()):
-        sys.exit(f"error: --ckpt={ckpt} holds a {c.attn} model with " + " ".join(f"{k}={has[k]}" for k in need)
-                 + "; the bench needs an NSA model with its own " + " ".join(f"{k}={v}" for k, v in need.items())
-                 + " (set the bench's with --key=value)")
+        raise ValueError(f"--ckpt={ckpt} holds a {c.attn} model with " + " ".join(f"{k}={has[k]}" for k in need)
+                         + "; the bench needs an NSA model with its own "
+                         + " ".join(f"{k}={v}" for k, v in need.items()) + " (set the bench's with --key=value)")
     if not 0 <= layer < c.n_layer:
-        sys.exit(f"error: --layer must be in [0, {c.n_layer}) for --ckpt={ckpt}, got {layer}")
+        raise ValueError(f"--layer must be in [0, {c.n_layer}) for --ckpt={ckpt}, got {layer}")
     if val.vocab_size > c.vocab_size:
-        sys.exit(f"error: --text={text} has {val.vocab_size} token ids, the model of --ckpt={ckpt} {c.vocab_size}")
+        raise ValueError(f"--text={text} has {val.vocab_size} token ids, the model of --ckpt={ckpt} {c.vocab_size}")
     if max(len(shard) for shard in val.shards) < B * T_max:
-        sys.exit(f"error: --text={text}: no shard of its val split holds B*T = {B * T_max} tokens; use a smaller T "
-                 f"or a larger data set")
+        raise ValueError(f"--text={text}: no shard of its val split holds B*T = {B * T_max} tokens; use a smaller T "
+                         f"or a larger data set")
     print(f"trained inputs: layer {layer} of {c.n_layer} of {ckpt} (HQ={c.n_head} H={c.n_kv_head} D={Dm} "
           f"block_size={c.block_size}) on the first B*T tokens of {text}'s val split; bench KV head h = the model's "
           f"KV head h mod {c.n_kv_head}; q, k, v {'from the model' if Dm == D == Dv else 'random (head dims differ)'}"
@@ -346,13 +350,10 @@ def ref(q, k, v, idx):
 def selection_paths():
     """The selection kernel's paths as overrides of sel_kernel.CONFIG: query-centric tiles (each token loads its own
     blocks), the same tiles with union=True (a block several tokens of a tile chose is loaded once for them), and
-    the key-centric path where the kernel has one."""
-    paths = {"query": {"fwd": {"union": False}, "dq": {"union": False}},
-             "query union": {"fwd": {"union": True}, "dq": {"union": True}}}
-    if "path" in sel_kernel.CONFIG:
-        paths = {name: {**changes, "path": "query"} for name, changes in paths.items()}
-        paths["key"] = {"path": "key"}
-    return paths
+    the key-centric forward."""
+    return {"query": {"path": "query", "fwd": {"union": False}, "dq": {"union": False}},
+            "query union": {"path": "query", "fwd": {"union": True}, "dq": {"union": True}},
+            "key": {"path": "key"}}
 
 
 def tile_tokens(hq):
@@ -409,23 +410,23 @@ def run_selection():
         matmul_tflops()
     rows = []
 
-    def add(T, impl, pass_, ms, flops, base=None):
+    def add(T, loc, impl, pass_, ms, flops, base=None):  # loc: print_locality of the indices at T
         rows.append(dict(T=T, impl=impl, pass_=pass_, ms=ms, tflops=flops / ms / 1e9 if ms else float("nan"),
-                         speedup=(base / ms) if base else float("nan"), indices=source, next_overlap=overlap,
-                         tile_blocks=tile_blocks))
+                         speedup=(base / ms) if base else float("nan"), indices=source, next_overlap=loc[0],
+                         tile_blocks=loc[1]))
 
     for T in seqlens:
         q, k, v, idx = selection_inputs(T, trained)
-        overlap, tile_blocks = print_locality(T, HQ, idx)
+        loc = print_locality(T, HQ, idx)
         sel_flops = 4 * B * T * HQ * (n_select * sel_block) * D  # every selected key counted
         dense_flops = 4 * B * T * T * HQ * D / 2  # causal
         base = {}
         if dense:
-            for name, fn in sdpa_backends().items():
+            for name, fn in dense_baselines().items():
                 try:
                     df, dfb = fwd_bwd(fn, *dense_inputs(q, k, v))
-                    add(T, f"dense {name}", "fwd", bench(df), dense_flops)
-                    add(T, f"dense {name}", "fwd+bwd", bench(dfb), 3.5 * dense_flops)
+                    add(T, loc, f"dense {name}", "fwd", bench(df), dense_flops)
+                    add(T, loc, f"dense {name}", "fwd+bwd", bench(dfb), 3.5 * dense_flops)
                 except RuntimeError as e:  # backend not available for this shape / GPU
                     print(f"T={T} dense {name}: skipped ({str(e).splitlines()[0][:80]})")
                 free_memory()
@@ -436,8 +437,8 @@ def run_selection():
         for impl, (fn, changes) in impls.items():
             with overridden(sel_kernel.CONFIG, changes):
                 f, fb = fwd_bwd(fn, q, k, v, idx)
-                add(T, impl, "fwd", bench(f), sel_flops, base.get("fwd"))
-                add(T, impl, "fwd+bwd", bench(fb), 3.5 * sel_flops, base.get("fwd+bwd"))
+                add(T, loc, impl, "fwd", bench(f), sel_flops, base.get("fwd"))
+                add(T, loc, impl, "fwd+bwd", bench(fb), 3.5 * sel_flops, base.get("fwd+bwd"))
         del q, k, v, idx, f, fb
         free_memory()
 
@@ -449,7 +450,8 @@ def run_selection():
     write_csv(list(rows[0]), [list(r.values()) for r in rows])
     if profile:
         q, k, v, idx = selection_inputs(max(seqlens), trained)
-        profile_table(fwd_bwd(ours, q, k, v, idx)[1])
+        times = kernel_times(fwd_bwd(ours, q, k, v, idx)[1], reps=3)
+        print(times.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
 
 
 def selection_sweep(trained, source):
@@ -569,8 +571,8 @@ def run_layer():
     if sweep:
         return layer_sweep(trained)
     tflops, gbps, rows = matmul_tflops(), copy_gbps(), []
+    cmp, select, slc, win, gate, core = layer_parts("triton")
     for hq in layer_hq:
-        cmp, select, slc, win, gate, core = layer_parts("triton")
         for T in layer_seqlens:
             xs = layer_inputs(T, hq, trained)
             q, kc, vc, ks, vs, kw, vw, gl = xs
@@ -585,7 +587,8 @@ def run_layer():
                     if fn is None:
                         continue
                     ms = bench(fn)
-                    dense_ms.update({p: ms} if name == "dense cudnn" else {})
+                    if name == "dense cudnn":
+                        dense_ms[p] = ms
                     mem = peak_extra_gib(fn) if p == "fwd+bwd" and name in ("dense cudnn", "NSA layer core") \
                         else float("nan")
                     share = floors[name][p] / floors["NSA layer core"][p] if name != "dense cudnn" else float("nan")
@@ -593,7 +596,7 @@ def run_layer():
                                  ms / floors[name][p], source, overlap, tile_blocks))
 
             if dense:  # first, and its (B, HQ, T, D) copies of k and v freed before the rest
-                time_part("dense cudnn", *fwd_bwd(sdpa_backends()["cudnn"], *dense_inputs(q, ks, vs)))
+                time_part("dense cudnn", *fwd_bwd(sdpa_backends(is_causal=True)["cudnn"], *dense_inputs(q, ks, vs)))
                 free_memory()
             time_part("compressed", *fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc))
             time_part("select_blocks", lambda: select(q, kc, lse), None)
@@ -707,27 +710,19 @@ def decode_check():
 
 
 def profile_decode(replay, S, b, reps=50):
-    """Where a decode step's time goes: CUDA time per kernel over `reps` graph replays (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            replay()
-        torch.cuda.synchronize()
+    """Where a decode step's time goes: CUDA time per kernel over `reps` graph replays."""
     print(f"S={S} B={b} nsa decode (triton), CUDA us per step by kernel:")
-    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+    for e in sorted(kernel_times(replay, reps), key=lambda e: -e.device_time_total)[:8]:
         print(f"  {e.device_time_total / reps:8.2f}  {e.key[:90]}")
 
 
 def run_decode():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from model import DenseAttention
     from nsa_attention import NSAAttention, decode_compressed, decode_select, decode_selection, decode_window
     if check:
         decode_check()
-    cfg = decode_config(HQ)
+    cfg, tri_cfg, ref_cfg = decode_config(HQ), decode_config(HQ, backend="triton"), decode_config(HQ, backend="torch")
     scale, rows = D ** -0.5, []
-    backends = [n for n in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION") if hasattr(SDPBackend, n)]
     for S in decode_seqlens:
         for b in decode_batches:
             torch.manual_seed(seed)
@@ -737,12 +732,9 @@ def run_decode():
             with torch.no_grad():
                 q4 = torch.randn(b, HQ, 1, D, device=device, dtype=dt)
                 k, v = (torch.randn(b, H, S, D, device=device, dtype=dt) for _ in range(2))
-                for name in backends:
-                    def dense_step(be=getattr(SDPBackend, name)):
-                        with sdpa_kernel([be]):
-                            return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+                for name, sdpa in sdpa_backends(enable_gqa=True).items():  # one query over all S keys: not causal
                     try:
-                        dense_ms[name.split("_")[0].lower()] = bench(graphed(dense_step))
+                        dense_ms[name] = bench(graphed(lambda: sdpa(q4, k, v)))
                     except Exception as e:  # backend unavailable for this shape / GPU / GQA
                         print(f"S={S} B={b} dense {name}: skipped ({str(e).splitlines()[0][:80]})")
                 del q4, k, v
@@ -757,7 +749,6 @@ def run_decode():
                 _, p, _ = decode_compressed(q, cache.k_cmp, cache.v_cmp, pos, cmp_block, cmp_stride, scale)
                 idx, _ = decode_select(p, pos, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local,
                                        cache.sel_score.shape[-1])
-                tri_cfg, ref_cfg = decode_config(HQ, backend="triton"), decode_config(HQ, backend="torch")
                 parts = {
                     "nsa decode (triton)": (lambda: nsa_attention.decode_attention(q, cache, pos, g, tri_cfg),
                                             sum(reads)),
@@ -802,22 +793,15 @@ def run_decode():
 # -----------------------------------------------------------------------------
 
 def main():
-    modes = {"selection": run_selection, "layer": run_layer, "decode": run_decode}
-    if mode not in modes:
-        sys.exit(f"error: --mode must be one of {', '.join(modes)}, got {mode!r}")
-    if dtype not in ("float16", "bfloat16"):
-        sys.exit(f"error: --dtype must be float16 or bfloat16, got {dtype!r}")
-    if indices not in ("select", "random", "trained"):
-        sys.exit(f"error: --indices must be select, random or trained, got {indices!r}")
     if indices != "select" and mode != "selection" and not (indices == "trained" and mode == "layer"):
-        sys.exit(f"error: --indices={indices} is not for --mode={mode}: the layer core selects its own blocks "
-                 f"(from random or, with trained, a model's q and k_cmp); decode fills its cache at random")
+        raise ValueError(f"--indices={indices} is not for --mode={mode}: the layer core selects its own blocks "
+                         f"(from random or, with trained, a model's q and k_cmp); decode fills its cache at random")
     if indices == "trained" and not (ckpt and text):
-        sys.exit("error: --indices=trained needs --ckpt=<out_dir of a trained model> and --text=<prepared data dir>")
+        raise ValueError("--indices=trained needs --ckpt=<out_dir of a trained model> and --text=<prepared data dir>")
     torch.manual_seed(seed)
     print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu (Triton interpreter)'}; torch {torch.__version__}, "
           f"triton {triton.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    modes[mode]()
+    globals()[f"run_{mode}"]()  # run_selection, run_layer or run_decode (the modes check_choice allows above)
 
 
 if __name__ == "__main__":

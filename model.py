@@ -2,8 +2,14 @@
 Token embedding -> n_layer x (RMSNorm -> attention -> residual, RMSNorm -> SwiGLU -> residual) -> RMSNorm -> head.
 train.py trains it, sample.py samples from it, bench.py times its attention.
 """
+import contextlib
+import csv
 import inspect
+import io
+import json
 import math
+import os
+import resource
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +18,7 @@ import torch.nn.functional as F
 
 from nsa_attention import (DecodeCache, NSAAttention, check_cu_seqlens, check_heads, check_prefill, positions, rope,
                            tokens_read_per_query)
+from prepare_data import atomic_write
 
 
 @dataclass
@@ -274,16 +281,7 @@ def peak_flops_of(device_name):
     return next((v for k, v in table.items() if k in device_name), 0.0)
 
 
-# ---- checkpoints, exports, the training log, NSA statistics and the machine: helpers of train.py and sample.py ----
-import contextlib  # noqa: E402
-import csv  # noqa: E402
-import io  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import resource  # noqa: E402
-
-from prepare_data import atomic_write  # noqa: E402
-
+# ---- checkpoints, exports, the training log, NSA statistics, the machine: for train.py, sample.py and bench.py ----
 
 def load_checkpoint(path, keys=("model_args", "model")):
     """The dict that train.py saved at path, tensors on the CPU. A missing, empty, truncated or foreign file, one
@@ -343,6 +341,43 @@ def read_safetensors(path):
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from e
     return state
+
+
+def load_model(out_dir, backend=""):
+    """The GPT of out_dir/ckpt.pt (train.py), else of out_dir/model.safetensors + config.json, in eval mode on the CPU;
+    and its training config dict."""
+    path, st_path, json_path = (os.path.join(out_dir, f) for f in ("ckpt.pt", "model.safetensors", "config.json"))
+    if os.path.exists(path):
+        ckpt = load_checkpoint(path)
+        model_args, state, train_cfg = ckpt["model_args"], ckpt["model"], ckpt.get("config", {})
+    elif os.path.exists(st_path):
+        if not os.path.exists(json_path):
+            raise ValueError(f"{st_path} needs {json_path} beside it (the GPTConfig arguments)")
+        state, path = read_safetensors(st_path), st_path
+        try:
+            with open(json_path) as f:
+                train_cfg = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{json_path} is not valid JSON ({e})") from e
+        fields = GPTConfig.__dataclass_fields__
+        model_args = train_cfg.get("model_args", {k: v for k, v in train_cfg.items() if k in fields})
+        train_cfg = train_cfg.get("config", train_cfg)
+    else:
+        raise ValueError(f"no checkpoint in out_dir={out_dir!r}: expected ckpt.pt (train.py) or model.safetensors + "
+                         f"config.json")
+    if backend:
+        model_args = {**model_args, "backend": backend}
+    try:
+        model = GPT(GPTConfig(**model_args))
+    except TypeError as e:
+        raise ValueError(f"{path}: model_args do not fit GPTConfig ({e})") from e
+    if model.config.tie_embeddings and "lm_head.weight" not in state and "wte.weight" in state:
+        state = {**state, "lm_head.weight": state["wte.weight"]}  # safetensors keeps one copy of a tied weight
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: the weights do not match model_args ({e})") from e
+    return model.eval(), train_cfg
 
 
 def export_safetensors(model, out_dir, config_json):

@@ -3,13 +3,13 @@ into each layer's static decode cache (model.py, nsa_attention.py) and generates
 loop that the needle evaluation at the end drives too), printing sample 0 as it comes and then tokens/s.
 `python sample.py --out_dir=out --start="ROMEO:"`; `--plot_selection=sel.png` draws which blocks NSA read at each step.
 """
-import json
 import os
 import time
 
 import torch
 
-from model import GPT, GPTConfig, cpu_threads, load_checkpoint, read_safetensors
+from model import cpu_threads, load_model
+from prepare_data import atomic_write
 
 # -----------------------------------------------------------------------------
 out_dir = "out"  # where train.py wrote ckpt.pt (or model.safetensors + config.json)
@@ -45,43 +45,6 @@ needle_val_rows = 32  # needle: val rows whose answers are scored teacher-forced
 needle_seed = 1234  # needle: seed of the evaluation documents (filler offsets, names, keys)
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
 # -----------------------------------------------------------------------------
-
-
-def load_model(out_dir, backend=""):
-    """The GPT of out_dir/ckpt.pt (train.py), else of out_dir/model.safetensors + config.json, in eval mode on the CPU;
-    and its training config dict."""
-    path, st_path, json_path = (os.path.join(out_dir, f) for f in ("ckpt.pt", "model.safetensors", "config.json"))
-    if os.path.exists(path):
-        ckpt = load_checkpoint(path)
-        model_args, state, train_cfg = ckpt["model_args"], ckpt["model"], ckpt.get("config", {})
-    elif os.path.exists(st_path):
-        if not os.path.exists(json_path):
-            raise ValueError(f"{st_path} needs {json_path} beside it (the GPTConfig arguments)")
-        state, path = read_safetensors(st_path), st_path
-        try:
-            with open(json_path) as f:
-                train_cfg = json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{json_path} is not valid JSON ({e})") from e
-        fields = GPTConfig.__dataclass_fields__
-        model_args = train_cfg.get("model_args", {k: v for k, v in train_cfg.items() if k in fields})
-        train_cfg = train_cfg.get("config", train_cfg)
-    else:
-        raise ValueError(f"no checkpoint in out_dir={out_dir!r}: expected ckpt.pt (train.py) or model.safetensors + "
-                         f"config.json")
-    if backend:
-        model_args = {**model_args, "backend": backend}
-    try:
-        model = GPT(GPTConfig(**model_args))
-    except TypeError as e:
-        raise ValueError(f"{path}: model_args do not fit GPTConfig ({e})") from e
-    if model.config.tie_embeddings and "lm_head.weight" not in state and "wte.weight" in state:
-        state = {**state, "lm_head.weight": state["wte.weight"]}  # safetensors keeps one copy of a tied weight
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise ValueError(f"{path}: the weights do not match model_args ({e})") from e
-    return model.eval(), train_cfg
 
 
 def load_tokenizer(name, train_cfg, vocab_size):
@@ -267,7 +230,6 @@ def plot_selection_png(path, record, config, layer, group, mark_block=-1):
     ax2.set_ylabel(f"gate ({config.gate})")
     ax2.set_xlim(x0, x1)
     ax2.legend(loc="best", ncol=3)
-    from prepare_data import atomic_write
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
 
@@ -472,7 +434,6 @@ def plot_needle_heatmap(path, csv_paths, train_len):
         mean = sum(a for row in acc for a in row) / sum(len(row) for row in acc)
         ax.set(xlabel="context length (tokens)", ylabel="needle depth (%)", title=f"{name}: mean accuracy {mean:.2f}")
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
-    from prepare_data import atomic_write
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
 
@@ -482,7 +443,7 @@ def needle_main():
     NSA, <needle_out>_selection.png (plot_selection_png of the depth-50% document at needle_plot_length)."""
     import csv
     import io
-    from prepare_data import KEY_DIGITS, atomic_write, load_meta, needle_min_length
+    from prepare_data import KEY_DIGITS, load_meta, needle_min_length
     if not needle_lengths or min(needle_lengths) < needle_min_length(needle_count):
         raise ValueError(f"needle_lengths must be >= {needle_min_length(needle_count)} tokens for "
                          f"needle_count={needle_count}, got {needle_lengths}")

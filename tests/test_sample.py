@@ -4,6 +4,7 @@ sample 0 streams as it is generated, and missing/corrupt checkpoints, a tokenize
 --plot_selection fail (one line on the command line) or work as documented."""
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -111,7 +112,7 @@ def test_missing_corrupt_checkpoint_and_empty_prompt(monkeypatch, capsys, ckpt_d
         run_sample(monkeypatch, capsys, f"--out_dir={tmp_path / 'nothing'}", *BASE)
     for data in (b"not a checkpoint at all", b"", (ckpt_dir / "ckpt.pt").read_bytes()[:3000]):  # random, empty, cut
         (tmp_path / "ckpt.pt").write_bytes(data)
-        with pytest.raises(ValueError, match=f"^{tmp_path}/ckpt.pt is not a readable checkpoint"):
+        with pytest.raises(ValueError, match="^" + re.escape(f"{tmp_path}/ckpt.pt is not a readable checkpoint")):
             run_sample(monkeypatch, capsys, f"--out_dir={tmp_path}", *BASE)
     torch.save({"weights": {}}, tmp_path / "ckpt.pt")
     with pytest.raises(ValueError, match="ckpt.pt is not a train.py checkpoint: it lacks model_args, model"):
