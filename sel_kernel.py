@@ -298,7 +298,9 @@ def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT,
 # partials in (slot, sub-block) order into the same o and lse the query-centric forward writes. Its backward is the
 # dk/dv kernel with WRITE_DQ (the dq partials ds @ k, summed per token in the same order; no query-centric dq pass).
 # Deterministic, no atomics, no host sync. Each K/V block is read once per chunk instead of once per (token, kv head)
-# that chose it; the price is a partial of G*max(D, Dv) per pair through memory, so it pays for small G.
+# that chose it; the price is a partial of G*max(D, Dv) per pair through memory, so it pays for small G. The o and dq
+# partials are stored in the input dtype (half the bytes of fp32; each adds one rounding of a partial's size, averaged
+# over the token's partials), lse and the sums in fp32.
 # Masks: keys after a row inside its block get probability 0 (exact for finite values; as in any tiled causal
 # kernel, a non-finite key there that a later token of the same tile also reads reaches the row as 0 * inf), keys
 # of another sequence are never loaded.
@@ -449,7 +451,7 @@ def _fwd_key(qf, kf, vf, idx, pos, n_seq, c, NS, scale_log2):
     BQ = max(1, cfg.pop("rows") // c["BG"])
     chunk = max(BQ, cfg.pop("chunk_rows") // c["BG"] // BQ * BQ)
     rev_t, c_begin, c_end, c_key, _, _ = _reverse_index(idx, pos, c["BS"], n_seq, chunk)
-    o_part = torch.empty(NT * HQ * NS * NKC, DV, device=qf.device, dtype=torch.float32)
+    o_part = torch.empty(NT * HQ * NS * NKC, DV, device=qf.device, dtype=qf.dtype)  # lse and the merge: fp32
     lse_part = torch.empty(NT * HQ * NS * NKC, device=qf.device, dtype=torch.float32)
     _sel_key_fwd_kernel[(c_begin.numel(), NKC)](qf, kf, vf, o_part, lse_part, idx, rev_t, c_begin, c_end, c_key, pos,
                                                 scale_log2, NT, BQ=BQ, NKC=NKC, NS=NS,
@@ -515,7 +517,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
     NC, BSP = c_begin.numel(), NKC * c_kv["BK"]
     dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty(NC, BSP, DV, device=q.device, dtype=torch.float32)
-    dq_part = torch.empty(NT * HQ * NS * NKC, D, device=q.device, dtype=torch.float32) if key_path else None
+    dq_part = torch.empty(NT * HQ * NS * NKC, D, device=q.device, dtype=q.dtype) if key_path else None
     _sel_bwd_dkv_kernel[(NC, NKC)](qf, kf, vf, dof, lse, delta, idx, rev_t, c_begin, c_end, c_key, dk_part, dv_part,
                                    dq_part, pos, scale_log2, scale, NT, BQ=BQ, BSP=BSP, NKC=NKC, NS=NS,
                                    BNS=triton.next_power_of_2(NS), WRITE_DQ=key_path, **c_kv, **cfg)

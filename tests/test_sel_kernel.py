@@ -142,8 +142,8 @@ def test_key_path_same_o_and_lse_as_query_path(G, path, monkeypatch):
 
 @pytest.mark.parametrize("path", ["key"], indirect=True)
 def test_key_path_fp16_partials_near_query_path_error(path, monkeypatch):
-    """In fp16 the key path's errors against the fp64 reference stay near the query path's, also with keys that share a
-    large component (the blocks' dq partials cancel): the guard for the dtype of its o and dq partials."""
+    """The key path stores its o and dq partials in the input dtype: in fp16 its errors against the fp64 reference
+    stay near the query path's, also with keys that share a large component (the blocks' dq partials cancel)."""
     B, T, HQ, H, D, n, l = 1, 34, 2, 1, 32, 3, 16
     q, k, v, do = randn((B, T, HQ, D), (B, T, H, D), (B, T, H, D), (B, T, HQ, D), seed=17)
     k = k + 3 * randn((D,), seed=18)[0]
