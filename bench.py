@@ -48,7 +48,8 @@ decode_batches = (1, 8)  # decode mode: batch sizes
 dense = True  # dense causal attention baselines
 check = True  # compare our output and grads with an fp32 reference at a small T first
 sweep = False  # instead of the table, time launch configs of the mode's kernels at the largest T (selection, layer)
-profile = False  # per-kernel CUDA time: selection mode of one forward+backward at the largest T, decode of one step
+profile = False  # per-kernel CUDA time at the largest T: one forward+backward (selection; layer: the core at the last
+#                  HQ of layer_hq), one decode step
 warmup_ms = 25  # triton.testing.do_bench warmup (ms)
 rep_ms = 100  # triton.testing.do_bench repetitions (ms)
 csv = ""  # write the table here too
@@ -141,8 +142,9 @@ def sweep_configs(title, table, grid, ops):
             print(f"  {kname:<6} {' '.join(f'{k}={v}' for k, v in cfg.items()):<44} {res}")
 
 
-def kernel_times(fn, reps):
-    """CUDA time per kernel over `reps` runs of fn() after one outside the count: torch.profiler's key_averages()."""
+def print_kernel_times(title, fn, reps, top=12):
+    """Where fn()'s GPU time goes: its `top` kernels by CUDA time (us per run of fn, `reps` runs under torch.profiler
+    after one outside it) and the sum over all of them."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     fn()
     torch.cuda.synchronize()
@@ -150,7 +152,10 @@ def kernel_times(fn, reps):
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    return prof.key_averages()
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    print(f"\n{title}, CUDA us per run by kernel (all kernels: {sum(e.device_time_total for e in events) / reps:.1f}):")
+    for e in events[:top]:
+        print(f"  {e.device_time_total / reps:9.1f}  {e.key[:90]}")
 
 
 def matmul_tflops():
@@ -449,9 +454,8 @@ def run_selection():
         print(f"{r['T']:>7} {r['impl']:<32} {r['pass_']:<8} {r['ms']:>10.3f} {r['tflops']:>8.1f} {r['speedup']:>8.2f}")
     write_csv(list(rows[0]), [list(r.values()) for r in rows])
     if profile:
-        q, k, v, idx = selection_inputs(max(seqlens), trained)
-        times = kernel_times(fwd_bwd(ours, q, k, v, idx)[1], reps=3)
-        print(times.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+        T = max(seqlens)
+        print_kernel_times(f"T={T} nsa selection fwd+bwd", fwd_bwd(ours, *selection_inputs(T, trained))[1], reps=5)
 
 
 def selection_sweep(trained, source):
@@ -619,6 +623,10 @@ def run_layer():
               f"{dist:>8.1f}")
     write_csv(("T", "HQ", "impl", "pass", "ms", "speedup", "peak_extra_gib", "floor_ms", "floor_share", "x_floor",
                "indices", "next_overlap", "tile_blocks"), rows)
+    if profile:
+        T = max(layer_seqlens)
+        print_kernel_times(f"T={T} HQ={layer_hq[-1]} NSA layer core fwd+bwd",
+                           fwd_bwd(core, *layer_inputs(T, layer_hq[-1], trained))[1], reps=5)
 
 
 def layer_sweep(trained):
@@ -709,13 +717,6 @@ def decode_check():
           f"({'ok' if err <= 1e-3 else 'FAIL'})")
 
 
-def profile_decode(replay, S, b, reps=50):
-    """Where a decode step's time goes: CUDA time per kernel over `reps` graph replays."""
-    print(f"S={S} B={b} nsa decode (triton), CUDA us per step by kernel:")
-    for e in sorted(kernel_times(replay, reps), key=lambda e: -e.device_time_total)[:8]:
-        print(f"  {e.device_time_total / reps:8.2f}  {e.key[:90]}")
-
-
 def run_decode():
     from model import DenseAttention
     from nsa_attention import NSAAttention, decode_compressed, decode_select, decode_selection, decode_window
@@ -766,7 +767,7 @@ def run_decode():
                     ms = bench(replay)
                     rows.append((S, b, "attention", name, ms, base / ms, n_read))
                     if profile and name == "nsa decode (triton)":
-                        profile_decode(replay, S, b)
+                        print_kernel_times(f"S={S} B={b} nsa decode step (triton)", replay, reps=50, top=8)
                 del cache, q, p, idx, parts
                 free_memory()
                 # whole layer step: projections + cache writes + attention + output projection
