@@ -462,10 +462,24 @@ def selection_sweep(trained, source):
     """Launch configs of sel_kernel.py's kernels at the largest T: each variant of one kernel, others at default."""
     T = max(seqlens)
     f, fb = fwd_bwd(ours, *selection_inputs(T, trained))
+
+    def on(path, fn):  # fn on one path of the selection kernel, whatever "auto" would pick at this shape
+        def run():
+            with overridden(sel_kernel.CONFIG, {"path": path}):
+                return fn()
+        return run
+
     grid = {"fwd": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
             "dq": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
-            "dkv": [dict(rows=r, num_warps=w, num_stages=s) for r, w, s in ((64, 4, 2), (64, 4, 3), (128, 8, 2))]}
-    ops = {"fwd": [("fwd", f)], "dq": [("fwd+bwd", fb)], "dkv": [("fwd+bwd", fb)]}
+            "dkv": [dict(rows=r, num_warps=w, num_stages=s) for r, w, s in ((64, 4, 2), (64, 4, 3), (128, 8, 2))],
+            "key_fwd": [dict(rows=r, chunk_rows=c, num_warps=w, num_stages=2)
+                        for r, c, w in ((32, 1024, 4), (64, 1024, 4), (64, 1024, 8), (128, 1024, 8), (64, 512, 8),
+                                        (64, 2048, 8))],
+            "key_bwd": [dict(rows=r, num_warps=w, num_stages=s)
+                        for r, w, s in ((32, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 8, 2))]}
+    ops = {"fwd": [("fwd", on("query", f))], "dq": [("fwd+bwd", on("query", fb))],
+           "dkv": [("fwd+bwd", on("query", fb))], "key_fwd": [("fwd", on("key", f))],
+           "key_bwd": [("fwd+bwd", on("key", fb))]}
     sweep_configs(f"selection sweep T={T} HQ={HQ} H={H} indices={source}: ms under each config of one kernel",
                   sel_kernel.CONFIG, grid, ops)
 

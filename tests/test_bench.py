@@ -154,6 +154,28 @@ def test_sweep_restores_config(bench, capsys):
     assert sel_kernel.CONFIG == before
 
 
+
+def test_selection_sweep_times_each_kernel_on_its_path(bench, monkeypatch, capsys):
+    """The key path's kernels are swept on the key path and the query path's on the query path, whichever path
+    "auto" would take at the bench's shape; CONFIG is as before afterwards."""
+    import sel_kernel
+    before = {k: dict(v) if isinstance(v, dict) else v for k, v in sel_kernel.CONFIG.items()}
+    seen = []
+
+    def record():  # what the kernels would read
+        seen.append((sel_kernel.CONFIG["path"], {k: dict(v) for k, v in sel_kernel.CONFIG.items() if k != "path"}))
+
+    monkeypatch.setattr(bench, "selection_inputs", lambda T, trained=None: ())
+    monkeypatch.setattr(bench, "fwd_bwd", lambda f, *inputs: (record, record))
+    bench.selection_sweep(None, "select")
+    lines = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert len(lines) == len(seen) and {"fwd", "dq", "dkv", "key_fwd", "key_bwd"} == set(lines)
+    for kname, (path, cfg) in zip(lines, seen):
+        assert path == ("key" if kname.startswith("key") else "query")
+        changed = {k for k in cfg if cfg[k] != before[k]}
+        assert changed <= {kname}  # one kernel's settings at a time
+    assert sel_kernel.CONFIG == before
+
 def test_decode_mode(tmp_path):
     text, rows = run_bench(tmp_path, "--mode=decode")
     assert "decode check" in text and "(ok)" in text
