@@ -154,7 +154,6 @@ def test_sweep_restores_config(bench, capsys):
     assert sel_kernel.CONFIG == before
 
 
-
 def test_selection_sweep_times_each_kernel_on_its_path(bench, monkeypatch, capsys):
     """The key path's kernels are swept on the key path and the query path's on the query path, whichever path
     "auto" would take at the bench's shape; CONFIG is as before afterwards."""
@@ -175,6 +174,7 @@ def test_selection_sweep_times_each_kernel_on_its_path(bench, monkeypatch, capsy
         changed = {k for k in cfg if cfg[k] != before[k]}
         assert changed <= {kname}  # one kernel's settings at a time
     assert sel_kernel.CONFIG == before
+
 
 def test_decode_mode(tmp_path):
     text, rows = run_bench(tmp_path, "--mode=decode")
