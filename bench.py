@@ -363,8 +363,8 @@ def selection_paths():
 
 def tile_tokens(hq):
     """BT: the tokens one program of the query-centric selection forward holds, CONFIG["fwd"]["rows"] query rows over
-    the G = hq / H heads of a KV head (G rounded up to a power of 2), as sel_kernel.py tiles them."""
-    return max(1, sel_kernel.CONFIG["fwd"]["rows"] // triton.next_power_of_2(hq // H))
+    the G = hq / H heads of a KV head, as sel_kernel.py tiles them (nsa_kernels.tile_m)."""
+    return nsa_kernels.tile_m(sel_kernel.CONFIG["fwd"]["rows"], hq // H) // (hq // H)
 
 
 def locality(idx, tile):
@@ -473,10 +473,10 @@ def selection_sweep(trained, source):
             "dq": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
             "dkv": [dict(rows=r, num_warps=w, num_stages=s) for r, w, s in ((64, 4, 2), (64, 4, 3), (128, 8, 2))],
             "key_fwd": [dict(rows=r, chunk_rows=c, num_warps=w, num_stages=2)
-                        for r, c, w in ((32, 1024, 4), (64, 1024, 4), (64, 1024, 8), (128, 1024, 8), (64, 512, 8),
-                                        (64, 2048, 8))],
+                        for r, c, w in ((64, 1024, 4), (64, 2048, 8), (128, 1024, 8), (128, 2048, 8), (128, 4096, 8),
+                                        (256, 2048, 8))],
             "key_bwd": [dict(rows=r, num_warps=w, num_stages=s)
-                        for r, w, s in ((32, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 8, 2))]}
+                        for r, w, s in ((64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2))]}
     ops = {"fwd": [("fwd", on("query", f))], "dq": [("fwd+bwd", on("query", fb))],
            "dkv": [("fwd+bwd", on("query", fb))], "key_fwd": [("fwd", on("key", f))],
            "key_bwd": [("fwd+bwd", on("key", fb))]}

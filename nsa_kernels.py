@@ -5,16 +5,18 @@ public functions at the bottom; test_nsa_kernels.py and test_decode.py check the
 # of a packed key array; key c is read by the queries [qlo(c), qhi(c)) (the same relation, seen from the key side).
 # - compressed: keys are the Tc compressed tokens; lo = first compressed key of t's sequence, hi = lo + visible blocks.
 # - window: keys are the raw tokens; lo = max(sequence start, t - w + 1), hi = t + 1.
-# Forward and dq are query-centric: one program = BT tokens x the G heads of one kv group (a [BT*BG, D] Q tile, token
-# major, so every key tile is loaded once for the whole group). dk/dv is key-centric: one program = BN keys of one kv
-# head walking the queries that read them (split into token chunks when keys are few); no atomics, so the backward is
-# deterministic. Steps that every row reads in full skip the mask. Softmax in base 2, lse stored fp32 (natural log).
+# Forward and dq are query-centric: one program = BT = M // G tokens x the G heads of one kv group (an [M, D] Q tile,
+# token major, so every key tile is loaded once for the whole group). dk/dv is key-centric: one program = BN keys of
+# one kv head walking the queries that read them (split into token chunks when keys are few); no atomics, so the
+# backward is deterministic. Steps that every row reads in full skip the mask. Softmax in base 2, lse stored fp32
+# (natural log).
 #
 # Block selection (Eq. 8-10) streams the compressed keys again with the compressed branch's lse: per chunk of NP
-# selection blocks it computes p_cmp [BT*BG, BKC], sums the group's heads (Eq. 10), maps compressed to selection blocks
-# with the overlap weights (Eq. 9; a carry holds the part of the last compressed blocks that spills into the next
-# chunk), packs (score bits, -j) into one int64 and merges it into a running sorted top-NP list (bitonic merge: the
-# top-NP of two sorted lists is max(a_desc, b_asc)). Only the (B, T, H, n) int32 indices are written.
+# selection blocks it computes p_cmp [BT*BG, BKC] (heads padded to BG), sums the group's heads (Eq. 10), maps
+# compressed to selection blocks with the overlap weights (Eq. 9; a carry holds the part of the last compressed blocks
+# that spills into the next chunk), packs (score bits, -j) into one int64 and merges it into a running sorted top-NP
+# list (bitonic merge: the top-NP of two sorted lists is max(a_desc, b_asc)). Only the (B, T, H, n) int32 indices
+# are written.
 #
 # Decode: one query token per row over nsa_attention.nsa_cache in four launches (see "decode kernels" below).
 # The file reads: shared pieces -> range attention kernels -> selection kernel -> decode kernels -> host launchers ->
@@ -46,17 +48,24 @@ INT_MAX = tl.constexpr(2 ** 31 - 1)  # "no key" sentinel and the low word of the
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# shared pieces, used by the kernels of this file and of sel_kernel.py: the rows of a [BT*BG, D] query tile, row
+# shared pieces, used by the kernels of this file and of sel_kernel.py: the rows of a packed [M, D] query tile, row
 # loads and stores, the online-softmax step, and on the host the head sizes, token positions, packing
 # and the registration of an attention op with its backward
 
 @triton.jit
-def tile_rows(t_r, m_t, i_h, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr):
-    """The rows of a [BT*BG, D] query tile: token major (t_r [BT*BG]: the token of each row, each repeated BG times;
-    m_t: the real ones), then the G query heads of kv head i_h padded to BG. Returns the row mask, the token offset
-    token * HQ (int64: T * HQ * D may pass 2^31) and the query head of each row: row t_off + hq_r of a (tokens, HQ,
-    ...) array."""
-    g_r = tl.arange(0, BT * BG) % BG                                                      # [M] head in the group
+def group_rows(M: tl.constexpr, G: tl.constexpr):
+    """The M rows of a query tile packed as (item, query head of the kv group): row r is item r // G (a token, or a
+    reverse-index pair) and head r % G, so a non-power-of-2 G wastes only the M % G rows past the last whole item.
+    Returns the item and head of each row and the rows that are not that padding."""
+    r = tl.arange(0, M)
+    return r // G, r % G, r < M // G * G
+
+
+@triton.jit
+def tile_rows(t_r, g_r, m_t, i_h, H: tl.constexpr, G: tl.constexpr):
+    """Row addressing of a query tile: t_r, g_r [M] the token and head in the group of each row (g_r >= G: padding),
+    m_t: the rows that are real. Returns the row mask, the token offset token * HQ (int64: T * HQ * D may pass
+    2^31) and the query head of each row: row t_off + hq_r of a (tokens, HQ, ...) array."""
     return m_t & (g_r < G), t_r.to(tl.int64) * (H * G), i_h * G + g_r
 
 
@@ -112,11 +121,16 @@ def cmp_seen(p, A, BB, TC):
 
 
 def head_sizes(HQ, H, D, DV):
-    """The kernels' head constexprs: G = HQ / H query heads per kv head; BG, BD, BDV = G, D, Dv padded to powers of 2
-    (BD, BDV >= 16 for tl.dot)."""
-    G = HQ // H
-    return dict(H=H, G=G, BG=triton.next_power_of_2(G), D=D, DV=DV, BD=max(16, triton.next_power_of_2(D)),
+    """The kernels' head constexprs: G = HQ / H query heads per kv head; BD, BDV = D, Dv padded to powers of 2 (at
+    least 16 for tl.dot)."""
+    return dict(H=H, G=HQ // H, D=D, DV=DV, BD=max(16, triton.next_power_of_2(D)),
                 BDV=max(16, triton.next_power_of_2(DV)))
+
+
+def tile_m(rows, G):
+    """Rows M of a packed query tile (group_rows): `rows` (a power of 2), or one group's padded to a power of 2 if
+    more; the tile holds M // G tokens (or pairs)."""
+    return max(rows, triton.next_power_of_2(G))
 
 
 def sequences(B, T, cu_seqlens, device):
@@ -235,12 +249,13 @@ def _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, k_from, k_to, k_end, scale_l
 @triton.jit
 def _range_fwd_kernel(q, k, v, o, lse, lo, hi, scale_log2, NT,
                       KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB,
-                      H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                      H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                       D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    M: tl.constexpr = BT * BG
-    t_r = i_t * BT + tl.arange(0, M) // BG                                                # [M] token of each row
-    m_r, t_off, hq_r = tile_rows(t_r, t_r < NT, i_h, H, G, BG, BT)
+    BT: tl.constexpr = M // G                                                             # tokens per tile
+    p_r, g_r, m_g = group_rows(M, G)
+    t_r = i_t * BT + p_r                                                                  # [M] token of each row
+    m_r, t_off, hq_r = tile_rows(t_r, g_r, m_g & (t_r < NT), i_h, H, G)
     b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)   # [M] key ranges
     b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                                          # [M, BD]
     m_i = tl.full([M], float("-inf"), tl.float32)
@@ -284,11 +299,12 @@ def _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, k_from, k_to, k_
 @triton.jit
 def _range_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, lo, hi, scale_log2, scale, NT,
                          KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB,
-                         H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                         H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                          D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    t_r = i_t * BT + tl.arange(0, BT * BG) // BG
-    m_r, t_off, hq_r = tile_rows(t_r, t_r < NT, i_h, H, G, BG, BT)
+    p_r, g_r, m_g = group_rows(M, G)
+    t_r = i_t * (M // G) + p_r
+    m_r, t_off, hq_r = tile_rows(t_r, g_r, m_g & (t_r < NT), i_h, H, G)
     b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
     b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                                          # [M, BD]
     b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                                      # [M, BDV]
@@ -297,7 +313,7 @@ def _range_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, lo, hi, scale_log2, sca
     tl.store(delta + t_off + hq_r, b_delta, mask=m_r)
     b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.) * 1.4426950408889634          # base 2
     b_lse = tl.where(b_lse == float("-inf"), 0., b_lse)   # a row with no key: masked below, keep exp2 finite
-    b_dq = tl.zeros([BT * BG, BD], tl.float32)
+    b_dq = tl.zeros([M, BD], tl.float32)
     k0, ka, kb, k_end = _split(b_lo, b_hi, m_r, BN)
     b_dq = _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, k0, ka, k_end, scale_log2, i_h,
                     H, D, DV, BD, BDV, BN, MASK=True)
@@ -310,12 +326,12 @@ def _range_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, lo, hi, scale_log2, sca
 
 @triton.jit
 def _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, t_from, t_to, t_end, scale_log2, i_h,
-              H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, D: tl.constexpr,
+              H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
               DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, MASK: tl.constexpr):
-    o_t = tl.arange(0, BT * BG) // BG
-    for t0 in range(t_from, t_to, BT):
-        t_r = t0 + o_t                                                                    # [M] query tokens
-        m_r, t_off, hq_r = tile_rows(t_r, t_r < t_end, i_h, H, G, BG, BT)
+    p_r, g_r, m_g = group_rows(M, G)
+    for t0 in range(t_from, t_to, M // G):
+        t_r = t0 + p_r                                                                    # [M] query tokens
+        m_r, t_off, hq_r = tile_rows(t_r, g_r, m_g & (t_r < t_end), i_h, H, G)
         b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                                      # [M, BD]
         b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                                  # [M, BDV]
         b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.) * 1.4426950408889634
@@ -338,7 +354,7 @@ def _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, t_from, t_t
 @triton.jit
 def _range_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, qlo, qhi, scale_log2, scale, NK, QCH,
                           KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB,
-                          H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                          H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                           D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
     """One program: BN keys x the queries of token chunk i_q ([i_q*QCH, (i_q+1)*QCH)); with several chunks dk/dv
     are fp32 partials (NQC, NK, H, D) that the launcher sums in chunk order."""
@@ -353,13 +369,13 @@ def _range_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, qlo, qhi, scale_log2,
     b_dv = tl.zeros([BN, BDV], tl.float32)
     c_lo = tl.maximum(b_qlo, i_q * QCH)                   # this program's token chunk
     c_hi = tl.minimum(b_qhi, (i_q + 1) * QCH)
-    t0, ta, tb, t_end = _split(c_lo, c_hi, m_k, BT)
+    t0, ta, tb, t_end = _split(c_lo, c_hi, m_k, M // G)                                 # steps of M // G tokens
     b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, t0, ta, t_end, scale_log2, i_h,
-                           H, G, BG, BT, D, DV, BD, BDV, MASK=True)
+                           H, G, M, D, DV, BD, BDV, MASK=True)
     b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, ta, tb, t_end, scale_log2, i_h,
-                           H, G, BG, BT, D, DV, BD, BDV, MASK=False)
+                           H, G, M, D, DV, BD, BDV, MASK=False)
     b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, tb, t_end, t_end, scale_log2,
-                           i_h, H, G, BG, BT, D, DV, BD, BDV, MASK=True)
+                           i_h, H, G, M, D, DV, BD, BDV, MASK=True)
     p_off = i_q.to(tl.int64) * NK * H + k_off
     store_rows(dk, p_off, m_k, b_dk * scale, D, BD)
     store_rows(dv, p_off, m_k, b_dv, DV, BDV)
@@ -405,8 +421,8 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
     M: tl.constexpr = BT * BG
     CPS: tl.constexpr = LS // DS                          # compressed blocks starting in one selection block
     o_b, o_c, o_j = tl.arange(0, BT), tl.arange(0, BKC), tl.arange(0, NP)
-    t_r = i_t * BT + tl.arange(0, M) // BG                # [M] rows: token major, group heads minor
-    m_r, t_off, hq_r = tile_rows(t_r, t_r < NT, i_h, H, G, BG, BT)
+    t_r = i_t * BT + tl.arange(0, M) // BG                # [M] rows: token major, group heads padded to BG minor
+    m_r, t_off, hq_r = tile_rows(t_r, tl.arange(0, M) % BG, t_r < NT, i_h, H, G)
     t_b = i_t * BT + o_b                                  # [BT] tokens of the tile
     m_b = t_b < NT
     if VARLEN:                                            # packed sequences: position and sequence id arrays
@@ -691,10 +707,12 @@ def _ranges(kind, B, T, Tk, a, b, cu_seqlens, cu_seqlens_cmp, device):
     return (geo, *_win_ranges(B, T, a, cu_seqlens, device))
 
 
-def _sizes(q, k, v, M):
-    """head_sizes plus BT = M / BG tokens per tile, for q (..., HQ, D), k (..., H, D), v (..., H, Dv)."""
+def _sizes(q, k, v, rows):
+    """head_sizes plus the tile rows M (tile_m) and BT = M // G tokens per tile (a host-side value, not a kernel
+    argument), for q (..., HQ, D), k (..., H, D), v (..., H, Dv)."""
     c = head_sizes(q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1])
-    return dict(c, BT=max(1, M // c["BG"]))
+    M = tile_m(rows, c["G"])
+    return dict(c, M=M), M // c["G"]
 
 
 def _launch_cfg(name, width):
@@ -716,8 +734,8 @@ def _range_fwd(q, k, v, geo, lo, hi, scale):
     if NT == 0:
         return o, lse
     M, launch = _launch_cfg("fwd", max(q.shape[2], v.shape[2]))
-    c = _sizes(q, k, v, M)
-    _range_fwd_kernel[(triton.cdiv(NT, c["BT"]), c["H"])](q, k, v, o, lse, lo, hi, scale * math.log2(math.e), NT,
+    c, BT = _sizes(q, k, v, M)
+    _range_fwd_kernel[(triton.cdiv(NT, BT), c["H"])](q, k, v, o, lse, lo, hi, scale * math.log2(math.e), NT,
                                                           **geo, **c, **launch)
     return o, lse
 
@@ -732,13 +750,13 @@ def _range_bwd(do, q, k, v, o, lse, geo, lo, hi, qlo, qhi, scale, n_chunks):
     sl2 = scale * math.log2(math.e)
     if NT > 0:
         M, launch = _launch_cfg("dq", max(q.shape[2], v.shape[2]))
-        c = _sizes(q, k, v, M)
-        _range_bwd_dq_kernel[(triton.cdiv(NT, c["BT"]), c["H"])](q, k, v, o, do, lse, delta, dq, lo, hi, sl2, scale,
+        c, BT = _sizes(q, k, v, M)
+        _range_bwd_dq_kernel[(triton.cdiv(NT, BT), c["H"])](q, k, v, o, do, lse, delta, dq, lo, hi, sl2, scale,
                                                                  NT, **geo, **c, **launch)
     if NK > 0 and NT > 0:
         M, launch = _launch_cfg("dkv", max(q.shape[2], v.shape[2]))
-        c = _sizes(q, k, v, M)
-        qch = triton.cdiv(triton.cdiv(NT, n_chunks), c["BT"]) * c["BT"]
+        c, BT = _sizes(q, k, v, M)
+        qch = triton.cdiv(triton.cdiv(NT, n_chunks), BT) * BT
         nqc = triton.cdiv(NT, qch)
         dk_p, dv_p = (dk, dv) if nqc == 1 else (k.new_empty(nqc, *k.shape, dtype=torch.float32),
                                                  v.new_empty(nqc, *v.shape, dtype=torch.float32))
@@ -796,15 +814,17 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
         _, seq, pos = sequences(B, T, cu_seqlens, q.device)
         seq, pos, cu_c = _i32(seq, pos, cu_seqlens_cmp)
     M, launch = _launch_cfg("select", D)
-    c = _sizes(q, k_cmp, k_cmp, M)
+    c = head_sizes(HQ, H, D, D)
+    BG = triton.next_power_of_2(c["G"])                   # padded rows: the kernel sums a token's heads by reshape
+    BT = max(1, M // BG)
     NP = max(16, triton.next_power_of_2(n_select))
     BKC = max(16, triton.next_power_of_2(NP * (sel_block // cmp_stride)))
-    _select_kernel[(triton.cdiv(B * T, c["BT"]), H)](
+    _select_kernel[(triton.cdiv(B * T, BT), H)](
         pack(q), pack(k_cmp), pack(lse), idx, pos, seq, cu_c, scale * math.log2(math.e), B * T,
         VARLEN=cu_seqlens is not None, SEQ_T=T, SEQ_TK=Tc,
-        H=H, G=c["G"], BG=c["BG"], BT=c["BT"], D=D, BD=c["BD"], L=cmp_block, DS=cmp_stride, LS=sel_block,
+        H=H, G=c["G"], BG=BG, BT=BT, D=D, BD=c["BD"], L=cmp_block, DS=cmp_stride, LS=sel_block,
         NS=n_select, NP=NP, BKC=BKC, N_INIT=n_init, N_LOCAL=n_local, LOG_NP=int(math.log2(NP)),
-        N_DIMS=int(math.log2(NP * c["BT"])), **launch)
+        N_DIMS=int(math.log2(NP * BT)), **launch)
     return idx.view(B, T, H, n_select)
 
 
@@ -827,7 +847,7 @@ def decode_op(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: 
         return q.new_empty(0, HQ, DV, dtype=f32)
     dims = dict(head_sizes(HQ, H, D, DV), PREC="ieee" if q.dtype == f32 else "tf32")
     G = dims["G"]
-    dims["BG"] = max(16, dims["BG"])                                   # one [BG, D] tile per group: tl.dot rows
+    dims["BG"] = max(16, triton.next_power_of_2(G))                    # one [BG, D] tile per group: tl.dot rows
     cfg = DECODE_CONFIG
     BC, WN, BJ, SB = cfg["cmp_keys"], cfg["window_keys"], cfg["score_blocks"], cfg["attend_blocks"]
     nsplit = min(triton.cdiv(TC, BC), triton.cdiv(cfg["programs"], B * H))

@@ -9,13 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_kernels import (attention_op, head_sizes, load_rows, pack, sequences, softmax_finish, softmax_rescale,
-                         softmax_step, store_rows, tile_rows)
+from nsa_kernels import (attention_op, group_rows, head_sizes, load_rows, pack, sequences, softmax_finish,
+                         softmax_rescale, softmax_step, store_rows, tile_m, tile_rows)
 
 # Layout of the work (NT = all packed tokens, H kv heads, G = HQ / H query heads per kv head, l' = sel_block, n slots):
-# - forward and dq: query-centric. One program = BT consecutive tokens x the G heads of one kv group (a [BT*BG, D] Q
-#   tile, BG = G rounded up to a power of 2, BT*BG >= 16 so tl.dot has M >= 16); it walks the tokens' n slots and
-#   streams each selected key block once for the whole group (paper Fig. 3, group-centric loading).
+# - forward and dq: query-centric. One program = BT = M // G consecutive tokens x the G heads of one kv group (an
+#   [M, D] Q tile packed as group_rows does, M >= 16 for tl.dot); it walks the tokens' n slots and streams each
+#   selected key block once for the whole group (paper Fig. 3, group-centric loading).
 # - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
 #   builds the reverse index (which tokens selected each block, ascending) in O(NT*H*n) memory; each list is cut
 #   into chunks of CHUNK_ROWS query rows so block 0 (selected by every token) does not serialise the launch; each
@@ -27,8 +27,8 @@ from nsa_kernels import (attention_op, head_sizes, load_rows, pack, sequences, s
 
 CHUNK_ROWS = 16384  # query rows (tokens x G) per dk/dv work item; scratch is (T*H*n*G / CHUNK_ROWS + blocks) tiles
 # launch parameters per kernel, picked on one H100 with bench.py's launch sweep (which may override them);
-# rows: query rows per program (tokens x BG, at least 16 for tl.dot), rounded to whole tokens; union: a tile of
-# several tokens loads a block listed by several of them once
+# rows: query rows M per program (a power of 2, at least 16 for tl.dot; M // G whole tokens or pairs, one group at
+# least); union: a tile of several tokens loads a block listed by several of them once
 CONFIG = {
     "fwd": dict(rows=16, union=False, num_warps=4, num_stages=2),
     "dq": dict(rows=16, union=False, num_warps=2, num_stages=2),
@@ -72,14 +72,14 @@ def _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT, H: tl.c
 
 
 @triton.jit
-def _query_tile(q, idx, pos, i_t, i_h, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+def _query_tile(q, idx, pos, i_t, i_h, NT, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                 D: tl.constexpr, BD: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr):
-    """Tile i_t of BT tokens x the G heads of kv head i_h: each row's token inside the tile, row mask, token offset
-    and head (tile_rows), position and sequence start, the Q tile [M, BD] and the tokens' block ids [M, BNS]."""
-    p_r = tl.arange(0, BT * BG) // BG                     # [M] token of each row inside the tile
-    t_r = i_t * BT + p_r                                  # [M] global token
-    m_t = t_r < NT
-    m_r, t_off, hq_r = tile_rows(t_r, m_t, i_h, H, G, BG, BT)
+    """Tile i_t of M // G tokens x the G heads of kv head i_h: each row's token inside the tile, row mask, token
+    offset and head (tile_rows), position and sequence start, the Q tile [M, BD] and the tokens' block ids [M, BNS]."""
+    p_r, g_r, m_g = group_rows(M, G)                      # [M] token of each row inside the tile, head in the group
+    t_r = i_t * (M // G) + p_r                            # [M] global token
+    m_t = m_g & (t_r < NT)
+    m_r, t_off, hq_r = tile_rows(t_r, g_r, m_t, i_h, H, G)
     rel_r = tl.load(pos + t_r, mask=m_t, other=0)                          # [M] positions inside the sequences
     o_s = tl.arange(0, BNS)
     b_idx = tl.load(idx + (t_r.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :],
@@ -116,14 +116,13 @@ def _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_lo
 
 @triton.jit
 def _sel_fwd_kernel(q, k, v, o, lse, idx, pos, scale_log2, NT,
-                    H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                    H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                     BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
     """o and the base-2 lse of tile i_t of BT tokens x the G heads of kv head i_h, over the tokens' selected blocks."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    M: tl.constexpr = BT * BG
-    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, BG, BT, D, BD,
-                                                                  NS, BNS)
+    BT: tl.constexpr = M // G
+    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, M, D, BD, NS, BNS)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BDV], tl.float32)
@@ -167,17 +166,17 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_m
 
 @triton.jit
 def _sel_bwd_dq_kernel(q, k, v, do, lse, delta, dq, idx, pos, scale_log2, scale, NT,
-                       H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
+                       H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
     """dq of tile i_t of BT tokens x the G heads of kv head i_h, walking the blocks as the forward does."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, BG, BT, D, BD,
-                                                                  NS, BNS)
+    BT: tl.constexpr = M // G
+    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, M, D, BD, NS, BNS)
     b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                        # [M, BDV]
     b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.)                 # [M]
     b_delta = tl.load(delta + t_off + hq_r, mask=m_r, other=0.)             # [M]
-    b_dq = tl.zeros([BT * BG, BD], tl.float32)                             # [M, BD], M = BT * BG rows
+    b_dq = tl.zeros([M, BD], tl.float32)
     for f in range(BT * NS):
         j, bos, m_row, rel_max = _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT,
                                             H, BT, BS, NS, BNS, UNION)
@@ -210,36 +209,26 @@ def _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT, H: tl.constexpr,
 
 
 @triton.jit
-def _key_pairs(q, rev_t, pos, e, e1, i_h, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BQ: tl.constexpr,
-               D: tl.constexpr, BD: tl.constexpr):
-    """Pairs [e, e + BQ) of a reverse-index chunk ending at e1 as BQ * BG rows (pair, head) of a query tile: their
-    tokens, row mask, token offsets and heads (as tile_rows), positions and Q tile [BQ*BG, BD]."""
-    e_r = e + tl.arange(0, BQ * BG) // BG                                  # [M] entry of each row, then the G heads
-    m_e = e_r < e1
-    t_r = tl.load(rev_t + e_r, mask=m_e, other=0)                          # [M] query tokens, ascending
-    m_r, t_off, hq_r = tile_rows(t_r, m_e, i_h, H, G, BG, BQ)
+def _key_pairs(q, rev, pos, e, e1, i_h, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+               BD: tl.constexpr, NS: tl.constexpr):
+    """Pairs [e, e + M // G) of a reverse-index chunk ending at e1 as the M rows (pair, head) of a query tile: their
+    tokens, row mask, token offsets and heads (as tile_rows), positions, Q tile [M, BD] and the row of each one's
+    partials, laid out (token, query head, slot, sub-block): pr * NKC + sub-block."""
+    p_r, g_r, m_g = group_rows(M, G)
+    e_r = e + p_r                                                          # [M] entry of each row, then the G heads
+    m_e = m_g & (e_r < e1)
+    ts = tl.load(rev + e_r, mask=m_e, other=0)                             # [M] token * n + slot, tokens ascending
+    t_r = ts // NS
+    m_r, t_off, hq_r = tile_rows(t_r, g_r, m_e, i_h, H, G)
     rel_r = tl.load(pos + t_r, mask=m_e, other=-1)                         # [M] positions inside the sequences
-    return t_r, m_r, t_off, hq_r, rel_r, load_rows(q, t_off + hq_r, m_r, D, BD)
+    return t_r, m_r, t_off, hq_r, rel_r, load_rows(q, t_off + hq_r, m_r, D, BD), (t_off + hq_r) * NS + ts % NS
 
 
 @triton.jit
-def _partial_rows(idx, t_r, m_r, t_off, hq_r, i_h, j, i_kc, H: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr,
-                  NKC: tl.constexpr):
-    """The row of each (pair, head)'s partial for key sub-block i_kc of block j, laid out (token, query head, slot,
-    sub-block): the slot is where the token lists j (cleaned ids list it once)."""
-    o_s = tl.arange(0, BNS)
-    b_ids = tl.load(idx + (t_r.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :],
-                    mask=m_r[:, None] & (o_s < NS)[None, :], other=-1)                      # [M, BNS]
-    s_r = tl.sum(tl.where(b_ids == j, o_s[None, :], 0), 1)                 # [M]
-    return ((t_off + hq_r) * NS + s_r) * NKC + i_kc
-
-
-@triton.jit
-def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, idx, rev_t, c_begin, c_end, c_key, dk_part, dv_part, dq_part, pos,
-                        scale_log2, scale, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BQ: tl.constexpr,
-                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr,
-                        BK: tl.constexpr, BSP: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr,
-                        WRITE_DQ: tl.constexpr):
+def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, rev, c_begin, c_end, c_key, dk_part, dv_part, dq_part, pos,
+                        scale_log2, scale, NT, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+                        DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                        BSP: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr, WRITE_DQ: tl.constexpr):
     """The dk/dv partial of one chunk x key sub-block; WRITE_DQ (key-centric path): also each (pair, sub-block)'s dq
     partial ds @ k, which _sel_key_dq_kernel sums per token."""
     i_c, i_kc = tl.program_id(0), tl.program_id(1)
@@ -247,8 +236,8 @@ def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, idx, rev_t, c_begin, c_end, c_k
                                                       H, D, DV, BD, BDV, BS, BK)
     b_dk = tl.zeros([BK, BD], tl.float32)
     b_dv = tl.zeros([BK, BDV], tl.float32)
-    for e in range(e0, e1, BQ):
-        t_r, m_r, t_off, hq_r, rel_r, b_q = _key_pairs(q, rev_t, pos, e, e1, i_h, H, G, BG, BQ, D, BD)  # [M, BD]
+    for e in range(e0, e1, M // G):
+        t_r, m_r, t_off, hq_r, rel_r, b_q, pr = _key_pairs(q, rev, pos, e, e1, i_h, H, G, M, D, BD, NS)  # [M, BD]
         b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                    # [M, BDV]
         b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.)
         b_delta = tl.load(delta + t_off + hq_r, mask=m_r, other=0.)
@@ -260,8 +249,7 @@ def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, idx, rev_t, c_begin, c_end, c_k
         b_ds = b_p * (b_dp - b_delta[:, None])
         b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)                   # [BK, BD]
         if WRITE_DQ:
-            row = _partial_rows(idx, t_r, m_r, t_off, hq_r, i_h, j, i_kc, H, NS, BNS, NKC)
-            store_rows(dq_part, row, m_r, tl.dot(b_ds.to(b_k.dtype), b_k) * scale, D, BD)  # [M, BD]
+            store_rows(dq_part, pr * NKC + i_kc, m_r, tl.dot(b_ds.to(b_k.dtype), b_k) * scale, D, BD)  # [M, BD]
     part = i_c.to(tl.int64) * BSP + i_kc * BK + tl.arange(0, BK)            # [BK] rows of the partials, all stored
     store_rows(dk_part, part, tl.full([BK], 1, tl.int1), b_dk * scale, D, BD)
     store_rows(dv_part, part, tl.full([BK], 1, tl.int1), b_dv, DV, BDV)
@@ -293,7 +281,7 @@ def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT,
 # ----------------------------------------------------------------------------------------------------------------
 # key-centric forward (small G): the loop inverted. One program = (kv head, selected block, chunk of the (token, slot)
 # pairs that chose it, in the reverse index) x one key sub-block of BK keys, as the dk/dv kernel above. It loads its
-# K/V once and, a tile of BQ pairs at a time (a [BQ*BG, D] Q tile), attends each pair's G query rows to it (causal
+# K/V once and, a tile of BQ = M // G pairs at a time (an [M, D] Q tile), attends each pair's G query rows to it (causal
 # inside the block): each (pair, sub-block) writes a partial o and base-2 lse, and a merge kernel combines a token's
 # partials in (slot, sub-block) order into the same o and lse the query-centric forward writes. Its backward is the
 # dk/dv kernel with WRITE_DQ (the dq partials ds @ k, summed per token in the same order; no query-centric dq pass).
@@ -306,40 +294,40 @@ def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT,
 # of another sequence are never loaded.
 
 @triton.jit
-def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, idx, rev_t, c_begin, c_end, c_key, pos, scale_log2, NT,
-                        H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BQ: tl.constexpr,
+def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, rev, c_begin, c_end, c_key, pos, scale_log2, NT,
+                        H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                         D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                        BS: tl.constexpr, BK: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr):
+                        BS: tl.constexpr, BK: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr):
     """Each (pair, head) of one chunk x key sub-block: the softmax over that sub-block's keys alone, as a partial o
     and base-2 lse (-inf for a row with no key there)."""
     i_c, i_kc = tl.program_id(0), tl.program_id(1)
     e0, e1, i_h, j, rel_k, m_k, b_k, b_v = _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT,
                                                       H, D, DV, BD, BDV, BS, BK)
-    for e in range(e0, e1, BQ):
-        t_r, m_r, t_off, hq_r, rel_r, b_q = _key_pairs(q, rev_t, pos, e, e1, i_h, H, G, BG, BQ, D, BD)  # [M, BD]
+    for e in range(e0, e1, M // G):
+        t_r, m_r, t_off, hq_r, rel_r, b_q, pr = _key_pairs(q, rev, pos, e, e1, i_h, H, G, M, D, BD, NS)  # [M, BD]
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
         m_s = m_r[:, None] & m_k[None, :] & (rel_k[None, :] <= rel_r[:, None])  # causal inside the block
-        m_i, l_i, acc = softmax_step(tl.where(m_s, b_s, float("-inf")), b_v, tl.full([BQ * BG], float("-inf"),
-                                     tl.float32), tl.zeros([BQ * BG], tl.float32), tl.zeros([BQ * BG, BDV], tl.float32))
+        m_i, l_i, acc = softmax_step(tl.where(m_s, b_s, float("-inf")), b_v, tl.full([M], float("-inf"), tl.float32),
+                                     tl.zeros([M], tl.float32), tl.zeros([M, BDV], tl.float32))
         b_o, b_lse = softmax_finish(m_i, l_i, acc)                          # [M, BDV], [M]
-        row = _partial_rows(idx, t_r, m_r, t_off, hq_r, i_h, j, i_kc, H, NS, BNS, NKC)
+        row = pr * NKC + i_kc
         store_rows(o_part, row, m_r, b_o, DV, BDV)
         tl.store(lse_part + row, b_lse, mask=m_r)
 
 
 @triton.jit
-def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
-                          BT: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, NS: tl.constexpr,
-                          NKC: tl.constexpr):
+def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, NT, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
+                          DV: tl.constexpr, BDV: tl.constexpr, NS: tl.constexpr, NKC: tl.constexpr):
     """o = sum_s 2^(lse_s - lse) o_s and lse = log2 sum_s 2^lse_s over a token's partials, in (slot, sub-block)
     order: the online-softmax step with each partial as one key of score lse_s and value o_s."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    t_r = i_t * BT + tl.arange(0, BT * BG) // BG                            # [M] tokens
-    m_t = t_r < NT
-    m_r, t_off, hq_r = tile_rows(t_r, m_t, i_h, H, G, BG, BT)
-    m_i = tl.full([BT * BG], float("-inf"), tl.float32)
-    l_i = tl.zeros([BT * BG], tl.float32)
-    acc = tl.zeros([BT * BG, BDV], tl.float32)
+    p_r, g_r, m_g = group_rows(M, G)
+    t_r = i_t * (M // G) + p_r                                              # [M] tokens
+    m_t = m_g & (t_r < NT)
+    m_r, t_off, hq_r = tile_rows(t_r, g_r, m_t, i_h, H, G)
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, BDV], tl.float32)
     for s in range(NS):
         m_v = m_r & (tl.load(idx + (t_r.to(tl.int64) * H + i_h) * NS + s, mask=m_t, other=-1) >= 0)  # slot s used
         for kc in tl.static_range(NKC):
@@ -354,14 +342,15 @@ def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, NT, H: tl.constexpr, G:
 
 
 @triton.jit
-def _sel_key_dq_kernel(dq_part, idx, dq, NT, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
-                       D: tl.constexpr, BD: tl.constexpr, NS: tl.constexpr, NKC: tl.constexpr):
+def _sel_key_dq_kernel(dq_part, idx, dq, NT, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+                       BD: tl.constexpr, NS: tl.constexpr, NKC: tl.constexpr):
     """dq of each token = its dq partials summed in (slot, sub-block) order."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    t_r = i_t * BT + tl.arange(0, BT * BG) // BG                            # [M] tokens
-    m_t = t_r < NT
-    m_r, t_off, hq_r = tile_rows(t_r, m_t, i_h, H, G, BG, BT)
-    b_dq = tl.zeros([BT * BG, BD], tl.float32)
+    p_r, g_r, m_g = group_rows(M, G)
+    t_r = i_t * (M // G) + p_r                                              # [M] tokens
+    m_t = m_g & (t_r < NT)
+    m_r, t_off, hq_r = tile_rows(t_r, g_r, m_t, i_h, H, G)
+    b_dq = tl.zeros([M, BD], tl.float32)
     for s in range(NS):
         m_v = m_r & (tl.load(idx + (t_r.to(tl.int64) * H + i_h) * NS + s, mask=m_t, other=-1) >= 0)  # slot s used
         for kc in tl.static_range(NKC):
@@ -412,17 +401,20 @@ def _key_path(G, NT):
 
 
 def _reverse_index(idx, pos, sel_block, n_seq, chunk):
-    """For every (kv head, selected block): the tokens that selected it, ascending, cut into chunks of `chunk`.
-    idx (NT, H, n) int32 cleaned, pos (NT,) int32. Returns rev_t (E,) int32, per chunk begin/end/key (NC,),
-    and per (head, block start token) the chunk range seg_c0/seg_c1 (H*NT,). O(NT*H*n) memory, no host sync."""
+    """For every (kv head, selected block): the (token, slot) pairs that selected it, tokens ascending, cut into
+    chunks of `chunk`. idx (NT, H, n) int32 cleaned, pos (NT,) int32. Returns rev (E,) = token * n + slot (int32
+    where it fits), per chunk begin/end/key (NC,), and per (head, block start token) the chunk range seg_c0/seg_c1
+    (H*NT,). O(NT*H*n) memory, no host sync."""
     NT, H, NS = idx.shape
     dev = idx.device
     j = idx.long()                                                             # cleaned: valid or -1
     kst = (torch.arange(NT, device=dev) - pos.long())[:, None, None] + j * sel_block  # global start of the block
     head = torch.arange(H, device=dev)[None, :, None]
     key = torch.where(j >= 0, head * NT + kst, H * NT).flatten()               # (E,) invalid -> sentinel, last
+    if H * NT < 2 ** 31:
+        key = key.int()                                                        # a radix sort of half the passes
     key, perm = torch.sort(key, stable=True)                                   # stable: tokens stay ascending
-    rev_t = (perm // (H * NS)).to(torch.int32)
+    rev = (perm // (H * NS) * NS + perm % NS).to(torch.int32 if NT * NS < 2 ** 31 else torch.int64)
     E = key.numel()
     i = torch.arange(E, device=dev)
     new_seg = torch.ones(E, dtype=torch.bool, device=dev)
@@ -436,11 +428,11 @@ def _reverse_index(idx, pos, sel_block, n_seq, chunk):
     c_begin = torch.searchsorted(csum, torch.arange(1, NC + 2, device=dev))   # position of the c-th chunk start
     c_begin = torch.minimum(c_begin, valid.sum())
     c_end, c_begin = c_begin[1:], c_begin[:-1]
-    c_key = torch.where(c_begin < c_end, key[c_begin.clamp(max=E - 1)], H * NT)  # sorted; empty chunks last
+    c_key = torch.where(c_begin < c_end, key[c_begin.clamp(max=E - 1)].long(), H * NT)  # sorted; empty chunks last
     blocks = (torch.arange(H, device=dev)[:, None] * NT + torch.arange(NT, device=dev)[None, :]).flatten()
     seg_c0 = torch.searchsorted(c_key, blocks).to(torch.int32)                 # (H*NT,) for keys that start a block
     seg_c1 = torch.searchsorted(c_key, blocks, right=True).to(torch.int32)
-    return rev_t, c_begin, c_end, torch.where(c_begin < c_end, c_key, 0), seg_c0, seg_c1
+    return rev, c_begin, c_end, torch.where(c_begin < c_end, c_key, 0), seg_c0, seg_c1
 
 
 def _fwd_key(qf, kf, vf, idx, pos, n_seq, c, NS, scale_log2):
@@ -448,19 +440,19 @@ def _fwd_key(qf, kf, vf, idx, pos, n_seq, c, NS, scale_log2):
     NT, HQ, DV = qf.shape[0], qf.shape[1], vf.shape[2]
     cfg = dict(CONFIG["key_fwd"])
     c, NKC = _key_tiles(c, c["BS"])
-    BQ = max(1, cfg.pop("rows") // c["BG"])
-    chunk = max(BQ, cfg.pop("chunk_rows") // c["BG"] // BQ * BQ)
-    rev_t, c_begin, c_end, c_key, _, _ = _reverse_index(idx, pos, c["BS"], n_seq, chunk)
+    M = tile_m(cfg.pop("rows"), c["G"])
+    BQ = M // c["G"]                                      # pairs per query tile
+    chunk = max(BQ, cfg.pop("chunk_rows") // c["G"] // BQ * BQ)
+    rev, c_begin, c_end, c_key, _, _ = _reverse_index(idx, pos, c["BS"], n_seq, chunk)
     o_part = torch.empty(NT * HQ * NS * NKC, DV, device=qf.device, dtype=qf.dtype)  # lse and the merge: fp32
     lse_part = torch.empty(NT * HQ * NS * NKC, device=qf.device, dtype=torch.float32)
-    _sel_key_fwd_kernel[(c_begin.numel(), NKC)](qf, kf, vf, o_part, lse_part, idx, rev_t, c_begin, c_end, c_key, pos,
-                                                scale_log2, NT, BQ=BQ, NKC=NKC, NS=NS,
-                                                BNS=triton.next_power_of_2(NS), **c, **cfg)
+    _sel_key_fwd_kernel[(c_begin.numel(), NKC)](qf, kf, vf, o_part, lse_part, rev, c_begin, c_end, c_key, pos,
+                                                scale_log2, NT, M=M, NKC=NKC, NS=NS, **c, **cfg)
     o = torch.empty(NT, HQ, DV, device=qf.device, dtype=qf.dtype)
     lse = torch.empty(NT, HQ, device=qf.device, dtype=torch.float32)
-    BT = max(1, 32 // c["BG"])
-    _sel_key_merge_kernel[(triton.cdiv(NT, BT), c["H"])](o_part, lse_part, idx, o, lse, NT, H=c["H"], G=c["G"],
-                                                         BG=c["BG"], BT=BT, DV=DV, BDV=c["BDV"], NS=NS, NKC=NKC)
+    M = tile_m(32, c["G"])
+    _sel_key_merge_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](o_part, lse_part, idx, o, lse, NT, H=c["H"],
+                                                                  G=c["G"], M=M, DV=DV, BDV=c["BDV"], NS=NS, NKC=NKC)
     return o, lse
 
 
@@ -477,11 +469,11 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch
         o, lse = _fwd_key(qf, kf, vf, idx, pos, n_seq, c, NS, scale_log2)
         return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
     cfg = dict(CONFIG["fwd"])
-    BT = max(1, cfg.pop("rows") // c["BG"])
-    union = cfg.pop("union") and BT > 1
+    M = tile_m(cfg.pop("rows"), c["G"])
+    union = cfg.pop("union") and M // c["G"] > 1
     o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
-    _sel_fwd_kernel[(triton.cdiv(NT, BT), c["H"])](qf, kf, vf, o, lse, idx, pos, scale_log2, NT, BT=BT, NS=NS,
+    _sel_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](qf, kf, vf, o, lse, idx, pos, scale_log2, NT, M=M, NS=NS,
                                                    BNS=triton.next_power_of_2(NS), UNION=union, **c, **cfg)
     return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
 
@@ -504,27 +496,28 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
     dq = torch.empty_like(qf)
     if not key_path:  # query-centric dq; the key-centric path gets dq from the dk/dv kernel's partials
         cfg = dict(CONFIG["dq"])
-        BT = max(1, cfg.pop("rows") // c["BG"])
-        union = cfg.pop("union") and BT > 1
-        _sel_bwd_dq_kernel[(triton.cdiv(NT, BT), H)](qf, kf, vf, dof, lse, delta, dq, idx, pos, scale_log2, scale, NT,
-                                                     BT=BT, NS=NS, BNS=triton.next_power_of_2(NS), UNION=union, **c,
-                                                     **cfg)
+        M = tile_m(cfg.pop("rows"), c["G"])
+        union = cfg.pop("union") and M // c["G"] > 1
+        _sel_bwd_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](qf, kf, vf, dof, lse, delta, dq, idx, pos, scale_log2,
+                                                              scale, NT, M=M, NS=NS, BNS=triton.next_power_of_2(NS),
+                                                              UNION=union, **c, **cfg)
     cfg = dict(CONFIG["key_bwd" if key_path else "dkv"])
     c_kv, NKC = _key_tiles(c, sel_block)
-    BQ = max(1, cfg.pop("rows") // c["BG"])
-    chunk = max(BQ, CHUNK_ROWS // c["BG"] // BQ * BQ)
-    rev_t, c_begin, c_end, c_key, seg_c0, seg_c1 = _reverse_index(idx, pos, sel_block, n_seq, chunk)
+    M = tile_m(cfg.pop("rows"), c["G"])
+    BQ = M // c["G"]                                      # pairs per query tile
+    chunk = max(BQ, CHUNK_ROWS // c["G"] // BQ * BQ)
+    rev, c_begin, c_end, c_key, seg_c0, seg_c1 = _reverse_index(idx, pos, sel_block, n_seq, chunk)
     NC, BSP = c_begin.numel(), NKC * c_kv["BK"]
     dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
     dv_part = torch.empty(NC, BSP, DV, device=q.device, dtype=torch.float32)
     dq_part = torch.empty(NT * HQ * NS * NKC, D, device=q.device, dtype=q.dtype) if key_path else None
-    _sel_bwd_dkv_kernel[(NC, NKC)](qf, kf, vf, dof, lse, delta, idx, rev_t, c_begin, c_end, c_key, dk_part, dv_part,
-                                   dq_part, pos, scale_log2, scale, NT, BQ=BQ, BSP=BSP, NKC=NKC, NS=NS,
-                                   BNS=triton.next_power_of_2(NS), WRITE_DQ=key_path, **c_kv, **cfg)
+    _sel_bwd_dkv_kernel[(NC, NKC)](qf, kf, vf, dof, lse, delta, rev, c_begin, c_end, c_key, dk_part, dv_part, dq_part,
+                                   pos, scale_log2, scale, NT, M=M, BSP=BSP, NKC=NKC, NS=NS, WRITE_DQ=key_path,
+                                   **c_kv, **cfg)
     if key_path:
-        BT = max(1, 32 // c["BG"])
-        _sel_key_dq_kernel[(triton.cdiv(NT, BT), H)](dq_part, idx, dq, NT, H=H, G=c["G"], BG=c["BG"], BT=BT, D=D,
-                                                     BD=c["BD"], NS=NS, NKC=NKC)
+        M = tile_m(32, c["G"])
+        _sel_key_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](dq_part, idx, dq, NT, H=H, G=c["G"], M=M, D=D,
+                                                              BD=c["BD"], NS=NS, NKC=NKC)
     dk, dv = torch.empty_like(kf), torch.empty_like(vf)
     _sel_bwd_reduce_kernel[(triton.cdiv(NT, 32), H)](dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT, H=H, D=D,
                                                      DV=DV, BD=c["BD"], BDV=c["BDV"], BS=sel_block, BSP=BSP, BR=32)
