@@ -17,9 +17,10 @@ from nsa_kernels import (attention_op, group_rows, head_sizes, load_rows, pack, 
 #   [M, D] Q tile packed as group_rows does, M >= 16 for tl.dot); it walks the tokens' n slots and streams each
 #   selected key block once for the whole group (paper Fig. 3, group-centric loading).
 # - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
-#   builds the reverse index (which tokens selected each block, ascending) in O(NT*H*n) memory; each list is cut
-#   into chunks of CHUNK_ROWS query rows so block 0 (selected by every token) does not serialise the launch; each
-#   chunk writes an fp32 partial dK/dV tile and a reduction kernel adds a block's partials in chunk order. No atomics.
+#   builds the reverse index (which (token, slot) pairs selected each block, tokens ascending) in O(NT*H*n) memory;
+#   each list is cut into chunks of CHUNK_ROWS query rows so block 0 (selected by every token) does not serialise the
+#   launch; each chunk writes an fp32 partial dK/dV tile and a reduction kernel adds a block's partials in chunk
+#   order. No atomics.
 # - CONFIG["path"] = "key" (or "auto" at small G): a key-centric forward instead (its own section), whose backward is
 #   the dk/dv kernel writing dq partials too (no query-centric dq pass).
 # - ids are cleaned once on the host side (torch ops, no sync): out of [0, t // l'] or repeated -> -1.

@@ -77,14 +77,15 @@ min_lr = 1e-4  # learning rate after lr_decay_iters
 device = "auto"  # 'auto' (cuda if available) | 'cpu' | 'cuda' | 'cuda:1'
 dtype = "bfloat16"  # autocast dtype: 'bfloat16' | 'float16' (with GradScaler) | 'float32' (no autocast)
 compile = True  # torch.compile(model, dynamic=False, fullgraph=True) for training and eval
-compile_mode = "default"  # torch.compile mode; 'reduce-overhead' replays CUDA graphs (NSA's many small kernels)
+compile_mode = "auto"  # torch.compile mode: 'default', 'reduce-overhead' (replays CUDA graphs) or 'auto': CUDA graphs
+#                        for NSA on one CUDA process without doc_batches (where they were measured to pay), else default
 activation_checkpointing = False  # recompute each block in the backward: less memory, ~1/3 more compute
 # -----------------------------------------------------------------------------
 _config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
 config = {k: globals()[k] for k in _config_keys}  # what this run used, saved in the checkpoint
 check_choice(dtype=("bfloat16", "float16", "float32"),
-             compile_mode=("default", "reduce-overhead"))
+             compile_mode=("auto", "default", "reduce-overhead"))
 if min(batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every, save_every,
        max_skipped_steps) < 1:
     raise ValueError("batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every, "
@@ -119,12 +120,12 @@ if gradient_accumulation_steps % world:
     raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
                      f"world size {world}")
 accum = gradient_accumulation_steps // world  # micro-batches per step on this rank
-if compile and compile_mode == "reduce-overhead" and accum > 1:
-    raise ValueError(f"compile_mode={compile_mode!r} (CUDA graphs) needs one micro-batch per rank and step, got "
-                     f"gradient_accumulation_steps={gradient_accumulation_steps} over {world} rank(s): the graph's "
-                     f"gradients live in its memory pool, which the next micro-batch overwrites before they are summed")
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = "cuda" if device.startswith("cuda") else "cpu"
+if compile_mode == "auto":  # NSA's many small kernels leave the GPU waiting for Python; dense's few large ones do not
+    compile_mode = "reduce-overhead" if attn == "nsa" and device_type == "cuda" and not (ddp or doc_batches) else \
+        "default"
+graphs = compile and compile_mode == "reduce-overhead"  # CUDA graphs on CUDA (cudagraph trees)
 if device_type == "cpu":
     torch.set_num_threads(cpu_threads())
 torch.manual_seed(seed)
@@ -134,7 +135,8 @@ ptdtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
 if master:
     print(f"{world} rank(s) on {device}, {dtype}; tokens per step: {tokens_per_iter:,} "
-          f"({gradient_accumulation_steps} micro-batches x {batch_size} x {block_size})")
+          f"({gradient_accumulation_steps} micro-batches x {batch_size} x {block_size})"
+          + (f"; torch.compile mode {compile_mode}" if compile else ""))
 
 # -----------------------------------------------------------------------------
 # data: one shared stream of batches (the same generator state on every rank); rank r takes every world-th batch,
@@ -222,13 +224,16 @@ ckpt = None  # free the memory
 raw_model = model
 if compile:
     model = torch.compile(model, dynamic=False, fullgraph=True, mode=compile_mode)
+if graphs:  # a replay overwrites the last one's outputs, gradients included: micro-batches add into buffers of our own
+    for p in raw_model.parameters():
+        p.grad = torch.zeros_like(p)
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
 
 
 def forward(x, y, cu):
     """(logits, loss) of the training model; under CUDA graphs the next call may overwrite them (a new graph step)."""
-    if compile and compile_mode == "reduce-overhead":
+    if graphs:
         torch.compiler.cudagraph_mark_step_begin()
     return model(x, y, cu)
 
@@ -357,7 +362,7 @@ while True:
     if skipped >= max_skipped_steps:
         fail(f"the gradient norm was not finite at {skipped} steps in a row, the last at step {iter_num}")
     scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not graphs)
 
     # logging (rank 0): a line and a train_log.csv row; NSA statistics from an extra eager forward every diag_every
     diag_now = model_args["attn"] == "nsa" and diag_every > 0 and iter_num % diag_every == 0
