@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-# launch parameters: M = query rows (tokens x padded group) per program, BN = keys per step; picked on one H100 by
-# bench.py's layer-mode sweep (T = 65536, HQ = 64, H = 4, D = 128, bf16)
+# launch parameters: M = query rows (whole tokens x their G heads, packed) per program, BN = keys per step; picked on
+# one H100 by bench.py's layer-mode sweep (T = 65536, HQ = 64, H = 4, D = 128, bf16)
 CONFIG = {
     "fwd": dict(M=128, BN=64, num_warps=4, num_stages=2),
     "dq": dict(M=128, BN=64, num_warps=8, num_stages=2),
