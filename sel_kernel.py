@@ -189,9 +189,9 @@ def _sel_bwd_dq_kernel(q, k, v, do, lse, delta, dq, idx, pos, scale_log2, scale,
 @triton.jit
 def _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
-    """Chunk i_c of the reverse index (entries [e0, e1), all of kv head i_h and one selected block, the block's id j
-    inside its sequence) and key sub-block i_kc of that block: key positions rel_k [BK], key mask m_k and the K
-    [BK, BD] and V [BK, BDV] tiles, loaded once for the whole chunk."""
+    """Chunk i_c of the reverse index (entries [e0, e1), all of kv head i_h and one selected block) and key sub-block
+    i_kc of that block: key positions rel_k [BK], key mask m_k and the K [BK, BD] and V [BK, BDV] tiles, loaded once
+    for the whole chunk."""
     e0 = tl.load(c_begin + i_c)                           # this chunk: entries [e0, e1) of the sorted lists
     e1 = tl.load(c_end + i_c)
     key = tl.load(c_key + i_c)                            # kv head * NT + global start of the block
@@ -206,7 +206,7 @@ def _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT, H: tl.constexpr,
     k_off = u * H + i_h
     b_k = load_rows(k, k_off, m_k, D, BD)                                   # [BK, BD]
     b_v = load_rows(v, k_off, m_k, DV, BDV)                                 # [BK, BDV]
-    return e0, e1, i_h, kst_pos // BS, rel_k, m_k, b_k, b_v
+    return e0, e1, i_h, rel_k, m_k, b_k, b_v
 
 
 @triton.jit
@@ -233,8 +233,8 @@ def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, rev, c_begin, c_end, c_key, dk_
     """The dk/dv partial of one chunk x key sub-block; WRITE_DQ (key-centric path): also each (pair, sub-block)'s dq
     partial ds @ k, which _sel_key_dq_kernel sums per token."""
     i_c, i_kc = tl.program_id(0), tl.program_id(1)
-    e0, e1, i_h, j, rel_k, m_k, b_k, b_v = _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT,
-                                                      H, D, DV, BD, BDV, BS, BK)
+    e0, e1, i_h, rel_k, m_k, b_k, b_v = _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT,
+                                                   H, D, DV, BD, BDV, BS, BK)
     b_dk = tl.zeros([BK, BD], tl.float32)
     b_dv = tl.zeros([BK, BDV], tl.float32)
     for e in range(e0, e1, M // G):
@@ -302,8 +302,8 @@ def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, rev, c_begin, c_end, c_key, p
     """Each (pair, head) of one chunk x key sub-block: the softmax over that sub-block's keys alone, as a partial o
     and base-2 lse (-inf for a row with no key there)."""
     i_c, i_kc = tl.program_id(0), tl.program_id(1)
-    e0, e1, i_h, j, rel_k, m_k, b_k, b_v = _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT,
-                                                      H, D, DV, BD, BDV, BS, BK)
+    e0, e1, i_h, rel_k, m_k, b_k, b_v = _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT,
+                                                   H, D, DV, BD, BDV, BS, BK)
     for e in range(e0, e1, M // G):
         t_r, m_r, t_off, hq_r, rel_r, b_q, pr = _key_pairs(q, rev, pos, e, e1, i_h, H, G, M, D, BD, NS)  # [M, BD]
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
