@@ -401,6 +401,21 @@ def _key_path(G, NT):
     return path == "key" or (path == "auto" and G <= KEY_MAX_G and NT >= KEY_MIN_TOKENS)
 
 
+def _query_launch(name, G):
+    """(M, union, launch kwargs) of the query-centric kernel CONFIG[name] ("fwd" or "dq"); a tile holds M // G
+    tokens, and union tiles need more than one."""
+    cfg = dict(CONFIG[name])
+    M = tile_m(cfg.pop("rows"), G)
+    return M, cfg.pop("union") and M // G > 1, cfg
+
+
+def _pair_tiles(rows, chunk_rows, G):
+    """Rows M of a key-side query tile (M // G reverse-index pairs) and the pairs per reverse-index chunk: about
+    chunk_rows query rows, in whole tiles."""
+    M = tile_m(rows, G)
+    return M, max(M // G, chunk_rows // G // (M // G) * (M // G))
+
+
 def _reverse_index(idx, pos, sel_block, n_seq, chunk):
     """For every (kv head, selected block): the (token, slot) pairs that selected it, tokens ascending, cut into
     chunks of `chunk`. idx (NT, H, n) int32 cleaned, pos (NT,) int32. Returns rev (E,) = token * n + slot (int32
@@ -441,9 +456,7 @@ def _fwd_key(qf, kf, vf, idx, pos, n_seq, c, NS, scale_log2):
     NT, HQ, DV = qf.shape[0], qf.shape[1], vf.shape[2]
     cfg = dict(CONFIG["key_fwd"])
     c, NKC = _key_tiles(c, c["BS"])
-    M = tile_m(cfg.pop("rows"), c["G"])
-    BQ = M // c["G"]                                      # pairs per query tile
-    chunk = max(BQ, cfg.pop("chunk_rows") // c["G"] // BQ * BQ)
+    M, chunk = _pair_tiles(cfg.pop("rows"), cfg.pop("chunk_rows"), c["G"])
     rev, c_begin, c_end, c_key, _, _ = _reverse_index(idx, pos, c["BS"], n_seq, chunk)
     o_part = torch.empty(NT * HQ * NS * NKC, DV, device=qf.device, dtype=qf.dtype)  # lse and the merge: fp32
     lse_part = torch.empty(NT * HQ * NS * NKC, device=qf.device, dtype=torch.float32)
@@ -469,13 +482,11 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch
     if _key_path(c["G"], NT):
         o, lse = _fwd_key(qf, kf, vf, idx, pos, n_seq, c, NS, scale_log2)
         return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
-    cfg = dict(CONFIG["fwd"])
-    M = tile_m(cfg.pop("rows"), c["G"])
-    union = cfg.pop("union") and M // c["G"] > 1
+    M, union, cfg = _query_launch("fwd", c["G"])
     o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
     _sel_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](qf, kf, vf, o, lse, idx, pos, scale_log2, NT, M=M, NS=NS,
-                                                   BNS=triton.next_power_of_2(NS), UNION=union, **c, **cfg)
+                                                            BNS=triton.next_power_of_2(NS), UNION=union, **c, **cfg)
     return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
 
 
@@ -496,17 +507,13 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
     _sel_bwd_delta_kernel[(triton.cdiv(NT * HQ, 32),)](of, dof, delta, NT * HQ, DV=DV, BDV=c["BDV"], BR=32)
     dq = torch.empty_like(qf)
     if not key_path:  # query-centric dq; the key-centric path gets dq from the dk/dv kernel's partials
-        cfg = dict(CONFIG["dq"])
-        M = tile_m(cfg.pop("rows"), c["G"])
-        union = cfg.pop("union") and M // c["G"] > 1
+        M, union, cfg = _query_launch("dq", c["G"])
         _sel_bwd_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](qf, kf, vf, dof, lse, delta, dq, idx, pos, scale_log2,
                                                               scale, NT, M=M, NS=NS, BNS=triton.next_power_of_2(NS),
                                                               UNION=union, **c, **cfg)
     cfg = dict(CONFIG["key_bwd" if key_path else "dkv"])
     c_kv, NKC = _key_tiles(c, sel_block)
-    M = tile_m(cfg.pop("rows"), c["G"])
-    BQ = M // c["G"]                                      # pairs per query tile
-    chunk = max(BQ, CHUNK_ROWS // c["G"] // BQ * BQ)
+    M, chunk = _pair_tiles(cfg.pop("rows"), CHUNK_ROWS, c["G"])
     rev, c_begin, c_end, c_key, seg_c0, seg_c1 = _reverse_index(idx, pos, sel_block, n_seq, chunk)
     NC, BSP = c_begin.numel(), NKC * c_kv["BK"]
     dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
