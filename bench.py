@@ -101,13 +101,24 @@ def rel_rmse(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def fwd_bwd(f, *inputs):
-    """(forward, forward+backward) closures for f(*inputs); gradients wrt the inputs that require them."""
+def run_once(f, inputs):
+    """f on copies of inputs whose floating ones require grad: (args, those, the output, a fixed random do for it)."""
     args = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
-    diff = [x for x in args if x.requires_grad]
     o = f(*args)
     do = torch.randn(o.shape, device=o.device, generator=torch.Generator(o.device).manual_seed(seed)).to(o.dtype)
+    return args, [x for x in args if x.requires_grad], o, do
+
+
+def fwd_bwd(f, *inputs):
+    """(forward, forward+backward) closures for f(*inputs); gradients wrt the inputs that require them."""
+    args, diff, _, do = run_once(f, inputs)
     return (lambda: f(*args)), (lambda: torch.autograd.grad(f(*args), diff, do))
+
+
+def out_and_grads(f, *inputs):
+    """f(*inputs) and the gradients fwd_bwd's forward+backward returns, from a single forward (for the checks)."""
+    _, diff, o, do = run_once(f, inputs)
+    return (o, *torch.autograd.grad(o, diff, do))
 
 
 def free_memory():
@@ -394,12 +405,10 @@ def print_locality(T, hq, idx):
 def selection_check(T, paths, trained):
     """Output and grads of each path vs the PyTorch reference in fp32 on the same rounded inputs."""
     q, k, v, idx = selection_inputs(T, trained)
-    f_ref, fb_ref = fwd_bwd(ref, q.float(), k.float(), v.float(), idx)
-    expect = (f_ref(), *fb_ref())
+    expect = out_and_grads(ref, q.float(), k.float(), v.float(), idx)
     for path, changes in paths.items():
         with overridden(sel_kernel.CONFIG, changes):
-            f_ours, fb_ours = fwd_bwd(ours, q, k, v, idx)
-            errs = [rel_rmse(a, b) for a, b in zip((f_ours(), *fb_ours()), expect)]
+            errs = [rel_rmse(a, b) for a, b in zip(out_and_grads(ours, q, k, v, idx), expect)]
         print(f"check T={T} {path}: rel RMSE vs fp32 reference  o {errs[0]:.2e}  dq {errs[1]:.2e}  dk {errs[2]:.2e}  "
               f"dv {errs[3]:.2e}  ({'ok' if max(errs) <= 1e-2 else 'FAIL'})")
 
@@ -547,9 +556,9 @@ def layer_check(hq):
     """Layer output and grads vs the PyTorch reference (fp32, same rounded inputs) at a small T."""
     T = 2048 if cuda else 96
     xs = layer_inputs(T, hq)
-    out = fwd_bwd(layer_parts("triton")[-1], *xs)
-    ref = fwd_bwd(layer_parts("torch")[-1], *[x.float() for x in xs])
-    errs = [rel_rmse(a, b) for a, b in zip((out[0](), *out[1]()), (ref[0](), *ref[1]()))]
+    out = out_and_grads(layer_parts("triton")[-1], *xs)
+    ref = out_and_grads(layer_parts("torch")[-1], *[x.float() for x in xs])
+    errs = [rel_rmse(a, b) for a, b in zip(out, ref)]
     print(f"layer check HQ={hq} T={T}: rel RMSE vs fp32 reference: o {errs[0]:.2e}, grads max "
           f"{max(errs[1:]):.2e} ({'ok' if max(errs) <= 2e-2 else 'FAIL'})")
 
