@@ -48,6 +48,8 @@ decode_batches = (1, 8)  # decode mode: batch sizes
 dense = True  # dense causal attention baselines
 check = True  # compare our output and grads with an fp32 reference at a small T first
 sweep = False  # instead of the table, time launch configs of the mode's kernels at the largest T (selection, layer)
+graphs = False  # layer mode: time each part replayed from a CUDA graph (as train.py's default on one GPU runs it),
+#                 so launch overhead is out of the numbers
 profile = False  # per-kernel CUDA time at the largest T: one forward+backward (selection; layer: the core at the last
 #                  HQ of layer_hq), one decode step
 warmup_ms = 25  # triton.testing.do_bench warmup (ms)
@@ -613,7 +615,7 @@ def run_layer():
                 for p, fn in (("fwd", f), ("fwd+bwd", fb)):
                     if fn is None:
                         continue
-                    ms = bench(fn)
+                    ms = bench(captured(fn) if graphs else fn)
                     if name == "dense cudnn":
                         dense_ms[p] = ms
                     mem = peak_extra_gib(fn) if p == "fwd+bwd" and name in ("dense cudnn", "NSA layer core") \
@@ -634,8 +636,8 @@ def run_layer():
             del xs, q, kc, vc, ks, vs, kw, vw, gl, o_cmp, lse, idx
             free_memory()
     print(f"\nlayer core: B={B} H={H} D={D} Dv={Dv} l={cmp_block} d={cmp_stride} l'={sel_block} n={n_select} "
-          f"w={window} {dtype}; indices: {source}; speedup = dense cuDNN ms / ms (same T, HQ); mem = peak extra GiB of "
-          f"fwd+bwd")
+          f"w={window} {dtype}; indices: {source}; {'CUDA graph replays' if graphs else 'eager launches'}; "
+          f"speedup = dense cuDNN ms / ms (same T, HQ); mem = peak extra GiB of fwd+bwd")
     print(f"floor = FLOPs at {tflops:.3g} TFLOP/s, the gate's bytes at {gbps:.3g} GB/s (both measured above; "
           f"layer_floors says what is counted); share = the part's floor / the layer core's (whose fwd+bwd holds "
           f"select_blocks' forward); x floor = ms / floor")
@@ -689,9 +691,13 @@ def layer_sweep(trained):
 
 def graphed(fn):
     """fn compiled, warmed up and captured in a CUDA graph; returns the replay. fn itself on the CPU."""
+    return captured(torch.compile(fn, fullgraph=True)) if cuda else fn
+
+
+def captured(fn):
+    """fn warmed up on a side stream and captured in a CUDA graph; returns the replay. fn itself on the CPU."""
     if not cuda:
         return fn
-    fn = torch.compile(fn, fullgraph=True)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

@@ -198,3 +198,17 @@ def test_layer_mode(tmp_path):
     shares = [float(r["floor_share"]) for r in rows if r["pass"] == "fwd"]  # each part's share of the layer's floor
     assert sum(shares) == pytest.approx(2.0) and max(shares) == 1.0  # the parts' and the layer core's own
     assert all(float(r["x_floor"]) > 0 for r in rows)
+
+
+@pytest.mark.gpu
+def test_captured_replay_matches_eager(bench):
+    """--graphs=True times captured(fn): a replay recomputes the layer core's forward and backward (into the buffers
+    of the capture) and gives what the eager call gives."""
+    fb = bench.fwd_bwd(bench.layer_parts("triton")[-1], *bench.layer_inputs(1024, 8))[1]
+    got = {}
+    replay = bench.captured(lambda: got.update(grads=fb()))
+    for g in got["grads"]:
+        g.fill_(float("nan"))
+    replay()
+    want = fb()
+    assert len(want) == 8 and all(torch.equal(a, b) for a, b in zip(got["grads"], want))
