@@ -1,8 +1,8 @@
 """Benchmarks of nanoNSA's kernels on one GPU, in three modes; each first checks its kernels against the fp32 reference.
   selection: the selected-block attention of sel_kernel.py alone, each of its paths, against dense causal attention
              (every SDPA backend, flash-attn if importable) and the PyTorch reference of nsa_attention.py;
-  layer:     the whole NSA layer core (compressed, select_blocks, selection, window, gate) and each part, against dense
-             causal cuDNN attention and against each part's floor (its FLOPs or bytes at rates measured in the run);
+  layer:     the whole NSA layer core (gate, compressed, select_blocks, selection, window, mix) and each part, against
+             dense causal cuDNN attention and against each part's floor (its FLOPs or bytes at rates measured in the run);
   decode:    one decode step over a filled cache, the attention alone and the whole layer, against dense SDPA.
 Selections come from random inputs or (--indices=trained) from a trained model run on real text; the selection and
 layer modes print how local they are. `python bench.py --mode=layer --csv=out.csv`; without CUDA each mode runs a
@@ -496,39 +496,40 @@ def selection_sweep(trained, source):
 
 
 # -----------------------------------------------------------------------------
-# mode = "layer": the whole NSA layer core, q, k, v of the three branches and gate logits in, o out (compressed
-# attention, select_blocks on its lse, selection, window, softmax gate), forward and forward+backward, per-part times
+# mode = "layer": the whole NSA layer core, q, k, v of the three branches and gate logits in, o out (softmax gate,
+# compressed attention, select_blocks on its lse, selection, window, each branch scaled by its gate weight inside its
+# kernels, and the mix: their sum, Eq. 5), forward and forward+backward, per-part times
 # and peak extra memory, against dense causal cuDNN SDPA at each T of layer_seqlens, for each HQ of layer_hq
 
 def layer_parts(be):
     """The layer core and its parts as functions of tensors, on the Triton kernels (be="triton") or the reference."""
 
-    def cmp(q, kc, vc):
-        return nsa_attention.compressed_attention(q, kc, vc, cmp_block, cmp_stride, backend=be)
+    def cmp(q, kc, vc, g=None):
+        return nsa_attention.compressed_attention(q, kc, vc, cmp_block, cmp_stride, backend=be, gate=g)
 
     def select(q, kc, lse):
         return nsa_attention.select_blocks(q, kc, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local,
                                            backend=be, lse=lse)
 
-    def slc(q, ks, vs, idx):
-        return nsa_attention.selection_attention(q, ks, vs, idx, sel_block, backend=be)
+    def slc(q, ks, vs, idx, g=None):
+        return nsa_attention.selection_attention(q, ks, vs, idx, sel_block, backend=be, gate=g)
 
-    def win(q, kw, vw):
-        return nsa_attention.window_attention(q, kw, vw, window, backend=be)
+    def win(q, kw, vw, g=None):
+        return nsa_attention.window_attention(q, kw, vw, window, backend=be, gate=g)
 
-    def gate(gl, o_cmp, o_slc, o_win):  # compiled on CUDA: one fused kernel, no fp32 (B, T, HQ, Dv) temporaries
-        g = torch.softmax(gl.float(), dim=-1)                                  # (B, T, HQ, 3)
-        return (g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win).to(o_cmp.dtype)
+    def mix(o_cmp, o_slc, o_win):  # Eq. 5 of the gated outputs; compiled on CUDA: one fused kernel
+        return o_cmp + o_slc + o_win
 
     if cuda and be == "triton":
-        gate = torch.compile(gate, dynamic=True)
+        mix = torch.compile(mix, dynamic=True)
 
     def core(q, kc, vc, ks, vs, kw, vw, gl):
-        o_cmp, lse = cmp(q, kc, vc)
+        g = torch.softmax(gl.float(), dim=-1)                                  # (B, T, HQ, 3) gate weights
+        o_cmp, lse = cmp(q, kc, vc, g[..., 0])
         idx = select(q.detach(), kc.detach(), lse)
-        return gate(gl, o_cmp, slc(q, ks, vs, idx), win(q, kw, vw))            # (B, T, HQ, Dv)
+        return mix(o_cmp, slc(q, ks, vs, idx, g[..., 1]), win(q, kw, vw, g[..., 2]))   # (B, T, HQ, Dv)
 
-    return cmp, select, slc, win, gate, core
+    return cmp, select, slc, win, mix, core
 
 
 def layer_inputs(T, hq, trained=None):
@@ -568,9 +569,9 @@ def layer_check(hq):
 def layer_floors(T, hq, tflops, gbps):
     """Floor ms of each part of the layer core, {part: {pass: ms}}. Attention: its FLOPs (QK and PV, 2 per
     multiply-add, over the keys each query reads as nsa_attention.tokens_read_per_query counts them; the backward
-    2.5x the forward) at the measured matmul rate; block scores: QK alone (select_blocks has no backward); gate: its
-    bytes (forward: 3 branch outputs and the logits in, o out; backward: do, 3 outputs and the logits in, their
-    gradients out) at the measured copy bandwidth."""
+    2.5x the forward) at the measured matmul rate; block scores: QK alone (select_blocks has no backward); mix: its
+    bytes (3 gated branch outputs in, o out; its backward hands do to each branch as it is) at the measured copy
+    bandwidth."""
     def keys(l=T + 1, d=1, n=0, w=0):  # mean keys per query of one branch, the other two switched off
         return nsa_attention.tokens_read_per_query(T, l, d, sel_block, n, w)
 
@@ -584,8 +585,8 @@ def layer_floors(T, hq, tflops, gbps):
               "select_blocks": {"fwd": 2 * B * T * hq * keys(cmp_block, cmp_stride) * D / tflops / 1e9},
               "selection": attention(keys(n=n_select)),
               "window": attention(keys(w=window)),
-              "gate": {"fwd": (4 * Dv + 3) * per_value, "fwd+bwd": (11 * Dv + 9) * per_value}}
-    parts = [floors[name] for name in ("compressed", "select_blocks", "selection", "window", "gate")]
+              "mix": {"fwd": 4 * Dv * per_value, "fwd+bwd": 4 * Dv * per_value}}
+    parts = [floors[name] for name in ("compressed", "select_blocks", "selection", "window", "mix")]
     floors["NSA layer core"] = {p: sum(f.get(p, f["fwd"]) for f in parts) for p in ("fwd", "fwd+bwd")}
     return floors
 
@@ -600,11 +601,12 @@ def run_layer():
     if sweep:
         return layer_sweep(trained)
     tflops, gbps, rows = matmul_tflops(), copy_gbps(), []
-    cmp, select, slc, win, gate, core = layer_parts("triton")
+    cmp, select, slc, win, mix, core = layer_parts("triton")
     for hq in layer_hq:
         for T in layer_seqlens:
             xs = layer_inputs(T, hq, trained)
             q, kc, vc, ks, vs, kw, vw, gl = xs
+            g = torch.softmax(gl.float(), dim=-1)                              # (B, T, HQ, 3)
             with torch.no_grad():
                 o_cmp, lse = cmp(q, kc, vc)
                 idx = select(q, kc, lse)
@@ -627,18 +629,18 @@ def run_layer():
             if dense:  # first, and its (B, HQ, T, D) copies of k and v freed before the rest
                 time_part("dense cudnn", *fwd_bwd(sdpa_backends(is_causal=True)["cudnn"], *dense_inputs(q, ks, vs)))
                 free_memory()
-            time_part("compressed", *fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc))
+            time_part("compressed", *fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc, g[..., 0]))
             time_part("select_blocks", lambda: select(q, kc, lse), None)
-            time_part("selection", *fwd_bwd(slc, q, ks, vs, idx))
-            time_part("window", *fwd_bwd(win, q, kw, vw))
-            time_part("gate", *fwd_bwd(gate, gl, o_cmp, o_cmp, o_cmp))
+            time_part("selection", *fwd_bwd(lambda q, ks, vs, g: slc(q, ks, vs, idx, g), q, ks, vs, g[..., 1]))
+            time_part("window", *fwd_bwd(win, q, kw, vw, g[..., 2]))
+            time_part("mix", *fwd_bwd(mix, o_cmp, o_cmp, o_cmp))
             time_part("NSA layer core", *fwd_bwd(core, *xs))
-            del xs, q, kc, vc, ks, vs, kw, vw, gl, o_cmp, lse, idx
+            del xs, q, kc, vc, ks, vs, kw, vw, gl, g, o_cmp, lse, idx
             free_memory()
     print(f"\nlayer core: B={B} H={H} D={D} Dv={Dv} l={cmp_block} d={cmp_stride} l'={sel_block} n={n_select} "
           f"w={window} {dtype}; indices: {source}; {'CUDA graph replays' if graphs else 'eager launches'}; "
           f"speedup = dense cuDNN ms / ms (same T, HQ); mem = peak extra GiB of fwd+bwd")
-    print(f"floor = FLOPs at {tflops:.3g} TFLOP/s, the gate's bytes at {gbps:.3g} GB/s (both measured above; "
+    print(f"floor = FLOPs at {tflops:.3g} TFLOP/s, the mix's bytes at {gbps:.3g} GB/s (both measured above; "
           f"layer_floors says what is counted); share = the part's floor / the layer core's (whose fwd+bwd holds "
           f"select_blocks' forward); x floor = ms / floor")
     print(f"{'T':>7} {'HQ':>3} {'impl':<16} {'pass':<8} {'ms':>10} {'speedup':>8} {'mem GiB':>8} {'floor ms':>9} "
@@ -658,7 +660,7 @@ def layer_sweep(trained):
     """Launch configs of nsa_kernels.py's kernels at the largest T (first HQ): each variant of one kernel, others at
     default."""
     T, hq = max(layer_seqlens), layer_hq[0]
-    cmp, select, slc, win, gate, core = layer_parts("triton")
+    cmp, select, slc, win, mix, core = layer_parts("triton")
     q, kc, vc, ks, vs, kw, vw, gl = layer_inputs(T, hq, trained)
     with torch.no_grad():
         lse = cmp(q, kc, vc)[1]

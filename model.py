@@ -465,9 +465,9 @@ class TrainLog:
 def nsa_stats(model, x, cu_seqlens=None, autocast=contextlib.nullcontext()):
     """Per layer and branch: gate mean/std over tokens and heads, and the branch's share of the gated output norm,
     ||g_b * o_b|| / sum_b' ||g_b' * o_b'||. From an eager no-grad forward of the NSA model on one batch (under the
-    autocast context given), with each NSAAttention recording its gate weights (B, T, HQ, 3) and branch outputs
-    (B, T, HQ, D). In eval mode: no dropout, so the statistics draw no random numbers (a training run stays the same
-    whatever its statistics interval)."""
+    autocast context given), with each NSAAttention recording its gate weights (B, T, HQ, 3) and gated branch
+    outputs g_b * o_b (B, T, HQ, D). In eval mode: no dropout, so the statistics draw no random numbers (a training
+    run stays the same whatever its statistics interval)."""
     stats, attns, training = {}, [block.attn for block in model.blocks], model.training
     for attn in attns:
         attn.record = True
@@ -482,7 +482,7 @@ def nsa_stats(model, x, cu_seqlens=None, autocast=contextlib.nullcontext()):
     for i, attn in enumerate(attns):
         rec = attn.__dict__.pop("recorded")
         g = rec["gate"].float()                                                # (B, T, HQ, 3) gate weights
-        norms = torch.stack([(g[..., b:b + 1] * rec[name].float()).norm() for b, name in enumerate(BRANCHES)])
+        norms = torch.stack([rec[name].float().norm() for name in BRANCHES])
         for b, name in enumerate(BRANCHES):
             stats[f"L{i}_gate_{name}_mean"] = g[..., b].mean().item()
             stats[f"L{i}_gate_{name}_std"] = g[..., b].std().item()

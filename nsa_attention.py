@@ -37,7 +37,9 @@ Window
 Gate
     g = act(MLP(x_t)) of shape (B, T, HQ, 3), act = softmax over the three branches (the default) or sigmoid (the
     paper's); the MLP's last layer starts at zero, so training starts from an even mix.
-    o_t = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win (Eq. 5), then the output projection.
+    o_t = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win (Eq. 5), then the output projection. The branch ops take
+    their gate weight (gate=, (B, T, HQ)) and return g_c * o_c, so the layer sums them; a kernel's backward then
+    reads the incoming gradient as it is (no per-branch g_c * do).
 
 Var-length
     B = 1 and cu_seqlens (int32 (N + 1,), from 0, non-decreasing, ending at T) pack N sequences. Positions and block
@@ -349,10 +351,14 @@ def check_cu_seqlens(cu_seqlens, B, T, device, name="cu_seqlens", exact_end=True
         raise ValueError(f"{name} must end at {'' if exact_end else 'most at '}T={T}, got {c[-1]}")
 
 
-def _checked(q, k, v, names, scale, cu_seqlens, cu_seqlens_cmp=None, block_indices=None, **hparams):
+def _checked(q, k, v, names, scale, cu_seqlens, cu_seqlens_cmp=None, block_indices=None, gate=None, **hparams):
     """Every check of a public op's arguments (eager). Returns the scale (1 / sqrt(D) by default) and, for the ops
     over compressed keys (those given cmp_stride), cu_seqlens_cmp, built from cu_seqlens when not given."""
     _check_qkv(q, k, v, names)
+    if gate is not None and (not isinstance(gate, torch.Tensor) or gate.shape != q.shape[:3]
+                             or not gate.is_floating_point() or gate.device != q.device):
+        raise ValueError(f"gate must be a floating tensor (B, T, HQ) = {tuple(q.shape[:3])} on {q.device}, got "
+                         f"{getattr(gate, 'dtype', type(gate))} {tuple(getattr(gate, 'shape', ()))}")
     _check_hparams(**hparams)
     B, T, Tk = q.shape[0], q.shape[1], k.shape[1]
     check_cu_seqlens(cu_seqlens, B, T, q.device)
@@ -436,18 +442,24 @@ def _reference(branch, queries, keys, cu_seqlens, cu_keys, *args):
     return cat if len(cat) > 1 else cat[0]
 
 
+def gated(o, gate, dtype):
+    """o (B, T, HQ, Dv) times gate (B, T, HQ) per row (Eq. 5's g_c * o_c; no gate: o), in dtype."""
+    return (o if gate is None else o * gate[..., None]).to(dtype)
+
+
 def compressed_attention(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale=None, cu_seqlens=None, cu_seqlens_cmp=None,
-                         backend="auto"):
-    """Attention over compressed tokens ("Compressed"). q (B, T, HQ, D), k_cmp (B, Tc, H, D), v_cmp (B, Tc, H, Dv).
-    Returns o (B, T, HQ, Dv) in q's dtype and lse (B, T, HQ) fp32 (-inf, with o = 0, for a query that sees no
-    block). lse carries no gradient."""
+                         backend="auto", gate=None):
+    """Attention over compressed tokens ("Compressed"). q (B, T, HQ, D), k_cmp (B, Tc, H, D), v_cmp (B, Tc, H, Dv);
+    gate (B, T, HQ) or None: this branch's gate weight, which scales o per row (see "Gate"). Returns o
+    (B, T, HQ, Dv) in q's dtype and lse (B, T, HQ) fp32 of the branch's own softmax (-inf, with o = 0, for a query
+    that sees no block). lse carries no gradient."""
     scale, cu_seqlens_cmp = _checked(q, k_cmp, v_cmp, ("q", "k_cmp", "v_cmp"), scale, cu_seqlens, cu_seqlens_cmp,
-                                     cmp_block=cmp_block, cmp_stride=cmp_stride)
+                                     gate=gate, cmp_block=cmp_block, cmp_stride=cmp_stride)
     if kernel := _kernel(backend, q, "compressed_attention_triton"):
-        return kernel(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, cu_seqlens, cu_seqlens_cmp)
+        return kernel(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, cu_seqlens, cu_seqlens_cmp, gate)
     o, lse = _reference(compressed_branch, (q,), (k_cmp, v_cmp), cu_seqlens, cu_seqlens_cmp, cmp_block, cmp_stride,
                         scale)
-    return o.to(q.dtype), lse.float()
+    return gated(o, gate, q.dtype), lse.float()
 
 
 def select_blocks(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select, n_init=1, n_local=2, scale=None,
@@ -466,25 +478,27 @@ def select_blocks(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select, n_init=1
                           sel_block, n_select, n_init, n_local, scale)
 
 
-def selection_attention(q, k, v, block_indices, sel_block, scale=None, cu_seqlens=None, backend="auto"):
+def selection_attention(q, k, v, block_indices, sel_block, scale=None, cu_seqlens=None, backend="auto", gate=None):
     """Attention over the selected blocks ("Selected"). q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv),
     block_indices int32 (B, T, H, n) (-1 = padding; ids outside [0, t // sel_block] are ignored like padding).
-    Keys after t inside a selected block are masked. Returns o (B, T, HQ, Dv) in q's dtype."""
-    scale, _ = _checked(q, k, v, ("q", "k", "v"), scale, cu_seqlens, block_indices=block_indices,
+    Keys after t inside a selected block are masked. gate (B, T, HQ) or None scales o per row. Returns o
+    (B, T, HQ, Dv) in q's dtype."""
+    scale, _ = _checked(q, k, v, ("q", "k", "v"), scale, cu_seqlens, block_indices=block_indices, gate=gate,
                         sel_block=sel_block)
     if kernel := _kernel(backend, q, "selection_attention_triton"):
-        return kernel(q, k, v, block_indices, sel_block, scale, cu_seqlens)
-    return _reference(selected_branch, (q, block_indices), (k, v), cu_seqlens, cu_seqlens, sel_block,
-                      scale).to(q.dtype)
+        return kernel(q, k, v, block_indices, sel_block, scale, cu_seqlens, gate)
+    return gated(_reference(selected_branch, (q, block_indices), (k, v), cu_seqlens, cu_seqlens, sel_block, scale),
+                 gate, q.dtype)
 
 
-def window_attention(q, k, v, window, scale=None, cu_seqlens=None, backend="auto"):
+def window_attention(q, k, v, window, scale=None, cu_seqlens=None, backend="auto", gate=None):
     """Sliding-window causal attention ("Window"): query t sees keys max(0, t - window + 1) .. t.
-    q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv). Returns o (B, T, HQ, Dv) in q's dtype."""
-    scale, _ = _checked(q, k, v, ("q", "k", "v"), scale, cu_seqlens, window=window)
+    q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv); gate (B, T, HQ) or None scales o per row. Returns o
+    (B, T, HQ, Dv) in q's dtype."""
+    scale, _ = _checked(q, k, v, ("q", "k", "v"), scale, cu_seqlens, gate=gate, window=window)
     if kernel := _kernel(backend, q, "window_attention_triton"):
-        return kernel(q, k, v, window, scale, cu_seqlens)
-    return _reference(window_branch, (q,), (k, v), cu_seqlens, cu_seqlens, window, scale).to(q.dtype)
+        return kernel(q, k, v, window, scale, cu_seqlens, gate)
+    return gated(_reference(window_branch, (q,), (k, v), cu_seqlens, cu_seqlens, window, scale), gate, q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -560,15 +574,18 @@ class NSAAttention(nn.Module):
         k_cmp, cu_cmp = compress(k_raw, self.k_pos, self.k_phi, l, d, cu_seqlens)   # (B, Tc, H, D)  Eq. 7
         v_cmp, _ = compress(v_raw, self.v_pos, self.v_phi, l, d, cu_seqlens)
         k_cmp = rope(k_cmp, positions(cu_cmp, k_cmp.shape[1], x.device) * d + l - 1, cfg.rope_theta)
+        g = self._gate(x)                                                      # (B, T, HQ, 3)
+        # each branch returns its output times its gate weight, so Eq. 5 is their sum (on the kernels, the backward
+        # then needs no (B, T, HQ, D) gradient per branch: see nsa_kernels.gated_lse)
         o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, l, d, cu_seqlens=cu_seqlens, cu_seqlens_cmp=cu_cmp,
-                                          backend=be)                          # (B, T, HQ, D)
+                                          backend=be, gate=g[..., 0])          # (B, T, HQ, D)
         idx = select_blocks(q.detach(), k_cmp.detach(), l, d, cfg.sel_block, cfg.n_select, cfg.n_init, cfg.n_local,
                             cu_seqlens=cu_seqlens, cu_seqlens_cmp=cu_cmp, backend=be, lse=lse)   # (B, T, H, n)
-        o_slc = selection_attention(q, k_slc, v_slc, idx, cfg.sel_block, cu_seqlens=cu_seqlens, backend=be)
-        o_win = window_attention(q, k_win, v_win, cfg.window, cu_seqlens=cu_seqlens, backend=be)
-        g = self._gate(x)                                                      # (B, T, HQ, 3)
-        o = gate_mix(g, o_cmp, o_slc, o_win)                                   # (B, T, HQ, D)  Eq. 5
-        if self.record:  # train.py's statistics: how the gate mixes the branches
+        o_slc = selection_attention(q, k_slc, v_slc, idx, cfg.sel_block, cu_seqlens=cu_seqlens, backend=be,
+                                    gate=g[..., 1])
+        o_win = window_attention(q, k_win, v_win, cfg.window, cu_seqlens=cu_seqlens, backend=be, gate=g[..., 2])
+        o = o_cmp + o_slc + o_win                                              # (B, T, HQ, D)  Eq. 5
+        if self.record:  # train.py's statistics: how the gate mixes the branches (gated outputs)
             self.recorded = dict(gate=g.detach(), cmp=o_cmp.detach(), slc=o_slc.detach(), win=o_win.detach())
         kv = dict(k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win, k_raw=k_raw, v_raw=v_raw, k_cmp=k_cmp,
                   v_cmp=v_cmp)

@@ -114,6 +114,25 @@ def softmax_finish(m_i, l_i, acc):
 
 
 @triton.jit
+def gate_out(b_o, gate, rows, m, GATED: tl.constexpr):
+    """A branch's output tile [M, BDV] times the gate weight of each row (Eq. 5 applied by the branch kernel, so the
+    mix is a plain sum); b_o as it is without a gate. gate: fp32, one value per (token, query head) row."""
+    if GATED:
+        b_o = b_o * tl.load(gate + rows, mask=m, other=1.)[:, None]
+    return b_o
+
+
+@triton.jit
+def gate_delta(b_delta, gate, rows, m, GATED: tl.constexpr):
+    """The backward's delta [M] of a gated output o = g * o_branch: rowsum(o * do) / g = rowsum(o_branch * do),
+    which is also dL/dg (0 where g = 0, where a softmax or sigmoid gate passes no gradient to its logits anyway)."""
+    if GATED:
+        g = tl.load(gate + rows, mask=m, other=1.)
+        b_delta = tl.where(g > 0, b_delta / tl.where(g > 0, g, 1.), 0.)
+    return b_delta
+
+
+@triton.jit
 def cmp_seen(p, A, BB, TC):
     """Compressed keys a query at position p reads (A = l, BB = d, TC = the sequence's compressed keys): blocks i
     with i*d + l - 1 <= p."""
@@ -148,34 +167,50 @@ def pack(x):
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()   # (B, T, ...) -> (B*T, ...)
 
 
+def pack_gate(gate):
+    """gate (B, T, HQ) -> (B*T, HQ) fp32 for the kernels (None stays None: no gate)."""
+    return None if gate is None else pack(gate.float())
+
+
+def gated_lse(lse, gate, log):
+    """The lse the backward kernels read for a gated output: p = exp(s - (lse - log g)) = g * p, so their dv and ds
+    are those of g * o_branch with the incoming do as it is (no g * do tensor); p = 0 where g = 0. log: torch.log
+    for a natural-log lse, torch.log2 for base 2."""
+    return lse if gate is None else torch.where(gate > 0, lse - log(gate), float("inf"))
+
+
 def attention_op(name, fwd, bwd):
-    """Registers fwd(q, k, v, *args) -> (o (B, T, HQ, Dv), lse (B, T, HQ) fp32) as the op nsa::{name}_fwd and
-    bwd(do, q, k, v, o, lse, *args) -> (dq, dk, dv) as nsa::{name}_bwd (schemas from their annotations): opaque to
-    torch.compile (fakes give the shapes), autograd from one to the other (lse has no gradient). Returns both ops."""
+    """Registers fwd(q, k, v, gate, *args) -> (o (B, T, HQ, Dv), lse (B, T, HQ) fp32) as the op nsa::{name}_fwd and
+    bwd(do, q, k, v, gate, o, lse, *args) -> (dq, dk, dv, dgate) as nsa::{name}_bwd (schemas from their
+    annotations): opaque to torch.compile (fakes give the shapes), autograd from one to the other (lse has no
+    gradient). gate (B, T, HQ) or None: o is the branch's output times it per row, and dgate its gradient ((0,)
+    without a gate). Returns both ops."""
     fwd_op = torch.library.custom_op(f"nsa::{name}_fwd", fwd, mutates_args=())
     bwd_op = torch.library.custom_op(f"nsa::{name}_bwd", bwd, mutates_args=())
 
     @fwd_op.register_fake
-    def _(q, k, v, *args):
+    def _(q, k, v, gate, *args):
         B, T, HQ, _ = q.shape
         return q.new_empty(B, T, HQ, v.shape[3]), q.new_empty(B, T, HQ, dtype=torch.float32)
 
     @bwd_op.register_fake
-    def _(do, q, k, v, *args):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    def _(do, q, k, v, gate, *args):
+        dgate = q.new_empty(0, dtype=torch.float32) if gate is None else torch.empty_like(gate)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dgate
 
     def setup_context(ctx, inputs, output):
-        q, k, v, *args = inputs
+        q, k, v, gate, *args = inputs
         ctx.mark_non_differentiable(output[1])
         ctx.is_tensor = [a is None or isinstance(a, torch.Tensor) for a in args]   # Optional[Tensor] may be None
-        ctx.save_for_backward(q, k, v, *output, *[a for a, t in zip(args, ctx.is_tensor) if t])
+        ctx.save_for_backward(q, k, v, gate, *output, *[a for a, t in zip(args, ctx.is_tensor) if t])
         ctx.consts = [a for a, t in zip(args, ctx.is_tensor) if not t]
 
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, *tensors = ctx.saved_tensors
+        q, k, v, gate, o, lse, *tensors = ctx.saved_tensors
         tensors, consts = iter(tensors), iter(ctx.consts)
         args = [next(tensors) if t else next(consts) for t in ctx.is_tensor]
-        return *bwd_op(do.contiguous(), q, k, v, o, lse, *args), *[None] * len(args)
+        dq, dk, dv, dgate = bwd_op(do.contiguous(), q, k, v, gate, o, lse, *args)
+        return dq, dk, dv, (None if gate is None else dgate), *[None] * len(args)
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
     return fwd_op, bwd_op
@@ -247,10 +282,11 @@ def _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, k_from, k_to, k_end, scale_l
 
 
 @triton.jit
-def _range_fwd_kernel(q, k, v, o, lse, lo, hi, scale_log2, NT,
+def _range_fwd_kernel(q, k, v, o, lse, gate, lo, hi, scale_log2, NT,
                       KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB,
                       H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
-                      D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
+                      D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
+                      GATED: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     BT: tl.constexpr = M // G                                                             # tokens per tile
     p_r, g_r, m_g = group_rows(M, G)
@@ -269,7 +305,7 @@ def _range_fwd_kernel(q, k, v, o, lse, lo, hi, scale_log2, NT,
     m_i, l_i, acc = _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, kb, k_end, k_end, scale_log2, i_h,
                               H, D, DV, BD, BDV, BN, MASK=True)
     b_o, b_lse = softmax_finish(m_i, l_i, acc)
-    store_rows(o, t_off + hq_r, m_r, b_o, DV, BDV)
+    store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate, t_off + hq_r, m_r, GATED), DV, BDV)
     tl.store(lse + t_off + hq_r, b_lse * 0.6931471805599453, mask=m_r)                    # natural log
 
 
@@ -297,10 +333,11 @@ def _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, k_from, k_to, k_
 
 
 @triton.jit
-def _range_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, lo, hi, scale_log2, scale, NT,
+def _range_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, gate, lo, hi, scale_log2, scale, NT,
                          KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB,
                          H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
-                         D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
+                         D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
+                         GATED: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     p_r, g_r, m_g = group_rows(M, G)
     t_r = i_t * (M // G) + p_r
@@ -310,6 +347,7 @@ def _range_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, lo, hi, scale_log2, sca
     b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                                      # [M, BDV]
     b_o = load_rows(o, t_off + hq_r, m_r, DV, BDV)
     b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)                        # [M]
+    b_delta = gate_delta(b_delta, gate, t_off + hq_r, m_r, GATED)
     tl.store(delta + t_off + hq_r, b_delta, mask=m_r)
     b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.) * 1.4426950408889634          # base 2
     b_lse = tl.where(b_lse == float("-inf"), 0., b_lse)   # a row with no key: masked below, keep exp2 finite
@@ -726,8 +764,9 @@ def _launch_cfg(name, width):
     return M, c
 
 
-def _range_fwd(q, k, v, geo, lo, hi, scale):
-    """q (NT, HQ, D), k (NK, H, D), v (NK, H, Dv) packed -> o (NT, HQ, Dv), lse (NT, HQ) fp32 natural log."""
+def _range_fwd(q, k, v, gate, geo, lo, hi, scale):
+    """q (NT, HQ, D), k (NK, H, D), v (NK, H, Dv), gate (NT, HQ) fp32 or None, packed -> o (NT, HQ, Dv) (times the
+    gate), lse (NT, HQ) fp32 natural log (of the branch's own softmax)."""
     NT, HQ, _ = q.shape
     o = torch.empty(NT, HQ, v.shape[2], device=q.device, dtype=q.dtype)
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
@@ -735,24 +774,27 @@ def _range_fwd(q, k, v, geo, lo, hi, scale):
         return o, lse
     M, launch = _launch_cfg("fwd", max(q.shape[2], v.shape[2]))
     c, BT = _sizes(q, k, v, M)
-    _range_fwd_kernel[(triton.cdiv(NT, BT), c["H"])](q, k, v, o, lse, lo, hi, scale * math.log2(math.e), NT,
-                                                          **geo, **c, **launch)
+    _range_fwd_kernel[(triton.cdiv(NT, BT), c["H"])](q, k, v, o, lse, gate, lo, hi, scale * math.log2(math.e), NT,
+                                                          **geo, **c, **launch, GATED=gate is not None)
     return o, lse
 
 
-def _range_bwd(do, q, k, v, o, lse, geo, lo, hi, qlo, qhi, scale, n_chunks):
-    """n_chunks > 1 splits each key block's queries into token chunks (parallelism when keys are few, as in the
-    compressed branch): fp32 partials summed in a fixed order, so still deterministic."""
+def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale, n_chunks):
+    """dq, dk, dv and delta = rowsum(o_branch * do) (dgate with a gate). n_chunks > 1 splits each key block's queries
+    into token chunks (parallelism when keys are few, as in the compressed branch): fp32 partials summed in a fixed
+    order, so still deterministic."""
     NT, HQ, _ = q.shape
     NK = k.shape[0]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
+    lse = gated_lse(lse, gate, torch.log)
     sl2 = scale * math.log2(math.e)
     if NT > 0:
         M, launch = _launch_cfg("dq", max(q.shape[2], v.shape[2]))
         c, BT = _sizes(q, k, v, M)
-        _range_bwd_dq_kernel[(triton.cdiv(NT, BT), c["H"])](q, k, v, o, do, lse, delta, dq, lo, hi, sl2, scale,
-                                                                 NT, **geo, **c, **launch)
+        _range_bwd_dq_kernel[(triton.cdiv(NT, BT), c["H"])](q, k, v, o, do, lse, delta, dq, gate, lo, hi, sl2,
+                                                                 scale, NT, **geo, **c, **launch,
+                                                                 GATED=gate is not None)
     if NK > 0 and NT > 0:
         M, launch = _launch_cfg("dkv", max(q.shape[2], v.shape[2]))
         c, BT = _sizes(q, k, v, M)
@@ -767,33 +809,35 @@ def _range_bwd(do, q, k, v, o, lse, geo, lo, hi, qlo, qhi, scale, n_chunks):
     elif NK > 0:
         dk.zero_()
         dv.zero_()
-    return dq, dk, dv
+    return dq, dk, dv, delta
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # torch.library ops: opaque to torch.compile (fake impls give shapes), autograd through the backward op.
 # range attention: kind 0 = compressed (a, b = cmp_block, cmp_stride), kind 1 = window (a = window).
 
-def _range_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: int, a: int, b: int, scale: float,
-                    cu_seqlens: Optional[torch.Tensor], cu_seqlens_cmp: Optional[torch.Tensor]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def _range_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch.Tensor], kind: int,
+                    a: int, b: int, scale: float, cu_seqlens: Optional[torch.Tensor],
+                    cu_seqlens_cmp: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, HQ, _ = q.shape
     geo, lo, hi, _, _ = _ranges(kind, B, T, k.shape[1], a, b, cu_seqlens, cu_seqlens_cmp, q.device)
-    o, lse = _range_fwd(pack(q), pack(k), pack(v), geo, lo, hi, scale)
+    o, lse = _range_fwd(pack(q), pack(k), pack(v), pack_gate(gate), geo, lo, hi, scale)
     return o.view(B, T, HQ, v.shape[3]), lse.view(B, T, HQ)
 
 
-def _range_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                    lse: torch.Tensor, kind: int, a: int, b: int, scale: float, cu_seqlens: Optional[torch.Tensor],
-                    cu_seqlens_cmp: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _range_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    gate: Optional[torch.Tensor], o: torch.Tensor, lse: torch.Tensor, kind: int, a: int, b: int,
+                    scale: float, cu_seqlens: Optional[torch.Tensor], cu_seqlens_cmp: Optional[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, HQ, _ = q.shape
     geo, lo, hi, qlo, qhi = _ranges(kind, B, T, k.shape[1], a, b, cu_seqlens, cu_seqlens_cmp, q.device)
     # compressed keys are few (T / d): split each key block's queries into chunks so the dk/dv grid fills the GPU
     n_key_programs = triton.cdiv(k.shape[0] * k.shape[1], CONFIG["dkv"]["BN"]) * k.shape[2]
     n_chunks = 1 if kind == 1 else max(1, min(triton.cdiv(B * T, DKV_CHUNK), triton.cdiv(2048, max(1, n_key_programs))))
-    dq, dk, dv = _range_bwd(pack(do), pack(q), pack(k), pack(v), pack(o), pack(lse), geo, lo, hi, qlo, qhi, scale,
-                            n_chunks)
-    return dq.view_as(q), dk.view_as(k), dv.view_as(v)
+    dq, dk, dv, delta = _range_bwd(pack(do), pack(q), pack(k), pack(v), pack_gate(gate), pack(o), pack(lse), geo, lo,
+                                   hi, qlo, qhi, scale, n_chunks)
+    dgate = q.new_empty(0, dtype=torch.float32) if gate is None else delta.view(B, T, HQ).to(gate.dtype)
+    return dq.view_as(q), dk.view_as(k), dv.view_as(v), dgate
 
 
 range_attn_fwd, range_attn_bwd = attention_op("range_attn", _range_attn_fwd, _range_attn_bwd)
@@ -892,23 +936,25 @@ def _(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, pos, gate, idx, score, reads,
 # ----------------------------------------------------------------------------------------------------------------
 # public functions (nsa_attention.py validates inputs before calling these)
 
-def compressed_attention_triton(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, cu_seqlens=None, cu_seqlens_cmp=None):
+def compressed_attention_triton(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, cu_seqlens=None, cu_seqlens_cmp=None,
+                                gate=None):
     """Attention over compressed tokens (the definition in nsa_attention.py, "Compressed"), differentiable in q,
-    k_cmp, v_cmp. q (B, T, HQ, D), k_cmp (B, Tc, H, D), v_cmp (B, Tc, H, Dv) fp16/bf16/fp32; query t sees block i iff
-    i*d + l - 1 <= t (relative to its sequence with cu_seqlens int32 (N+1,), B == 1, and cu_seqlens_cmp int32 (N+1,)).
-    Returns o (B, T, HQ, Dv) in q's dtype and lse (B, T, HQ) fp32 (no gradient; -inf and o = 0 where no block)."""
+    k_cmp, v_cmp and gate. q (B, T, HQ, D), k_cmp (B, Tc, H, D), v_cmp (B, Tc, H, Dv) fp16/bf16/fp32; query t sees
+    block i iff i*d + l - 1 <= t (relative to its sequence with cu_seqlens int32 (N+1,), B == 1, and cu_seqlens_cmp
+    int32 (N+1,)); gate (B, T, HQ) or None scales each row of o. Returns o (B, T, HQ, Dv) in q's dtype and lse
+    (B, T, HQ) fp32 of the ungated softmax (no gradient; -inf and o = 0 where no block)."""
     if cu_seqlens is not None and cu_seqlens_cmp is None:
         raise ValueError("cu_seqlens_cmp is needed with cu_seqlens (nsa_attention.cmp_cu_seqlens builds it)")
-    return range_attn_fwd(q, k_cmp, v_cmp, 0, int(cmp_block), int(cmp_stride), float(scale), cu_seqlens,
+    return range_attn_fwd(q, k_cmp, v_cmp, gate, 0, int(cmp_block), int(cmp_stride), float(scale), cu_seqlens,
                           cu_seqlens_cmp)
 
 
-def window_attention_triton(q, k, v, window, scale, cu_seqlens=None):
+def window_attention_triton(q, k, v, window, scale, cu_seqlens=None, gate=None):
     """Sliding-window causal attention (the definition in nsa_attention.py, "Window"): query t sees keys
     max(bos, t - window + 1) .. t. q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv); cu_seqlens int32 (N+1,) with
-    B == 1 for packed sequences. Returns o (B, T, HQ, Dv) in q's dtype, differentiable in q, k, v (deterministic
-    backward)."""
-    return range_attn_fwd(q, k, v, 1, int(window), 0, float(scale), cu_seqlens, None)[0]
+    B == 1 for packed sequences; gate (B, T, HQ) or None scales each row of o. Returns o (B, T, HQ, Dv) in q's dtype,
+    differentiable in q, k, v and gate (deterministic backward)."""
+    return range_attn_fwd(q, k, v, gate, 1, int(window), 0, float(scale), cu_seqlens, None)[0]
 
 
 def select_blocks_triton(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale,
@@ -921,7 +967,7 @@ def select_blocks_triton(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select, n
         raise ValueError("cu_seqlens_cmp is needed with cu_seqlens (nsa_attention.cmp_cu_seqlens builds it)")
     q, k_cmp = q.detach(), k_cmp.detach()
     if lse is None:
-        lse = range_attn_fwd(q, k_cmp, k_cmp[..., :1], 0, int(cmp_block), int(cmp_stride), float(scale),
+        lse = range_attn_fwd(q, k_cmp, k_cmp[..., :1], None, 0, int(cmp_block), int(cmp_stride), float(scale),
                              cu_seqlens, cu_seqlens_cmp)[1]
     return select_op(q, k_cmp, lse.detach().float(), int(cmp_block), int(cmp_stride), int(sel_block), int(n_select),
                      int(n_init), int(n_local), float(scale), cu_seqlens, cu_seqlens_cmp)

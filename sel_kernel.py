@@ -9,8 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_kernels import (attention_op, group_rows, head_sizes, load_rows, pack, sequences, softmax_finish,
-                         softmax_rescale, softmax_step, store_rows, tile_m, tile_rows)
+from nsa_kernels import (attention_op, gate_delta, gate_out, gated_lse, group_rows, head_sizes, load_rows, pack,
+                         pack_gate, sequences, softmax_finish, softmax_rescale, softmax_step, store_rows, tile_m,
+                         tile_rows)
 
 # Layout of the work (NT = all packed tokens, H kv heads, G = HQ / H query heads per kv head, l' = sel_block, n slots):
 # - forward and dq: query-centric. One program = BT = M // G consecutive tokens x the G heads of one kv group (an
@@ -116,11 +117,13 @@ def _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_lo
 
 
 @triton.jit
-def _sel_fwd_kernel(q, k, v, o, lse, idx, pos, scale_log2, NT,
+def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, scale_log2, NT,
                     H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                    BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
-    """o and the base-2 lse of tile i_t of BT tokens x the G heads of kv head i_h, over the tokens' selected blocks."""
+                    BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr,
+                    GATED: tl.constexpr):
+    """o (times the gate) and the base-2 lse of tile i_t of BT tokens x the G heads of kv head i_h, over the tokens'
+    selected blocks."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     BT: tl.constexpr = M // G
     p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, M, D, BD, NS, BNS)
@@ -133,7 +136,7 @@ def _sel_fwd_kernel(q, k, v, o, lse, idx, pos, scale_log2, NT,
         m_i, l_i, acc = _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
                                    H, D, DV, BD, BDV, BS, BK)
     b_o, b_lse = softmax_finish(m_i, l_i, acc)            # lse: base 2, of the scaled scores
-    store_rows(o, t_off + hq_r, m_r, b_o, DV, BDV)
+    store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate, t_off + hq_r, m_r, GATED), DV, BDV)
     tl.store(lse + t_off + hq_r, b_lse, mask=m_r)
 
 
@@ -142,12 +145,13 @@ def _sel_fwd_kernel(q, k, v, o, lse, idx, pos, scale_log2, NT,
 # dk/dv (block-centric partials + ordered reduction)
 
 @triton.jit
-def _sel_bwd_delta_kernel(o, do, delta, NR, DV: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr):
+def _sel_bwd_delta_kernel(o, do, delta, gate, NR, DV: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr,
+                          GATED: tl.constexpr):
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     m_r = o_r < NR
     b_o = load_rows(o, o_r, m_r, DV, BDV).to(tl.float32)                   # [BR, BDV]
     b_do = load_rows(do, o_r, m_r, DV, BDV).to(tl.float32)
-    tl.store(delta + o_r, tl.sum(b_o * b_do, 1), mask=m_r)
+    tl.store(delta + o_r, gate_delta(tl.sum(b_o * b_do, 1), gate, o_r, m_r, GATED), mask=m_r)
 
 
 @triton.jit
@@ -317,10 +321,11 @@ def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, rev, c_begin, c_end, c_key, p
 
 
 @triton.jit
-def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, NT, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
-                          DV: tl.constexpr, BDV: tl.constexpr, NS: tl.constexpr, NKC: tl.constexpr):
-    """o = sum_s 2^(lse_s - lse) o_s and lse = log2 sum_s 2^lse_s over a token's partials, in (slot, sub-block)
-    order: the online-softmax step with each partial as one key of score lse_s and value o_s."""
+def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, gate, NT, H: tl.constexpr, G: tl.constexpr,
+                          M: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, NS: tl.constexpr, NKC: tl.constexpr,
+                          GATED: tl.constexpr):
+    """o = sum_s 2^(lse_s - lse) o_s (times the gate) and lse = log2 sum_s 2^lse_s over a token's partials, in
+    (slot, sub-block) order: the online-softmax step with each partial as one key of score lse_s and value o_s."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     p_r, g_r, m_g = group_rows(M, G)
     t_r = i_t * (M // G) + p_r                                              # [M] tokens
@@ -338,7 +343,7 @@ def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, NT, H: tl.constexpr, G:
             acc = acc * alpha[:, None] + load_rows(o_part, row, m_v, DV, BDV) * b_w       # [M, BDV]
             l_i = l_i * alpha + tl.sum(b_w, 1)
     b_o, b_lse = softmax_finish(m_i, l_i, acc)
-    store_rows(o, t_off + hq_r, m_r, b_o, DV, BDV)
+    store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate, t_off + hq_r, m_r, GATED), DV, BDV)
     tl.store(lse + t_off + hq_r, b_lse, mask=m_r)
 
 
@@ -451,8 +456,9 @@ def _reverse_index(idx, pos, sel_block, n_seq, chunk):
     return rev, c_begin, c_end, torch.where(c_begin < c_end, c_key, 0), seg_c0, seg_c1
 
 
-def _fwd_key(qf, kf, vf, idx, pos, n_seq, c, NS, scale_log2):
-    """The key-centric forward on packed inputs: partials per (token, query head, slot, sub-block), then the merge."""
+def _fwd_key(qf, kf, vf, gf, idx, pos, n_seq, c, NS, scale_log2):
+    """The key-centric forward on packed inputs: partials per (token, query head, slot, sub-block), then the merge
+    (which applies the gate gf, (NT, HQ) fp32 or None)."""
     NT, HQ, DV = qf.shape[0], qf.shape[1], vf.shape[2]
     cfg = dict(CONFIG["key_fwd"])
     c, NKC = _key_tiles(c, c["BS"])
@@ -465,46 +471,53 @@ def _fwd_key(qf, kf, vf, idx, pos, n_seq, c, NS, scale_log2):
     o = torch.empty(NT, HQ, DV, device=qf.device, dtype=qf.dtype)
     lse = torch.empty(NT, HQ, device=qf.device, dtype=torch.float32)
     M = tile_m(32, c["G"])
-    _sel_key_merge_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](o_part, lse_part, idx, o, lse, NT, H=c["H"],
-                                                                  G=c["G"], M=M, DV=DV, BDV=c["BDV"], NS=NS, NKC=NKC)
+    _sel_key_merge_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](o_part, lse_part, idx, o, lse, gf, NT, H=c["H"],
+                                                                  G=c["G"], M=M, DV=DV, BDV=c["BDV"], NS=NS, NKC=NKC,
+                                                                  GATED=gf is not None)
     return o, lse
 
 
-def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor, sel_block: int,
-         scale: float, cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch.Tensor], block_indices: torch.Tensor,
+         sel_block: int, scale: float, cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, HQ, D = q.shape
     NT, DV = B * T, v.shape[3]
     c, NS = _sizes(q, k, v, block_indices, sel_block)
     if NT == 0 or NS == 0:  # nothing to attend to: o = 0, lse = -inf
         return q.new_zeros(B, T, HQ, DV), q.new_full((B, T, HQ), float("-inf"), dtype=torch.float32)
     qf, kf, vf, idx, pos, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
+    gf = pack_gate(gate)
     scale_log2 = scale * math.log2(math.e)
     if _key_path(c["G"], NT):
-        o, lse = _fwd_key(qf, kf, vf, idx, pos, n_seq, c, NS, scale_log2)
+        o, lse = _fwd_key(qf, kf, vf, gf, idx, pos, n_seq, c, NS, scale_log2)
         return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
     M, union, cfg = _query_launch("fwd", c["G"])
     o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
-    _sel_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](qf, kf, vf, o, lse, idx, pos, scale_log2, NT, M=M, NS=NS,
-                                                            BNS=triton.next_power_of_2(NS), UNION=union, **c, **cfg)
+    _sel_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](qf, kf, vf, o, lse, gf, idx, pos, scale_log2, NT, M=M,
+                                                            NS=NS, BNS=triton.next_power_of_2(NS), UNION=union,
+                                                            GATED=gf is not None, **c, **cfg)
     return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
 
 
-def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-         block_indices: torch.Tensor, sel_block: int, scale: float, cu_seqlens: Optional[torch.Tensor]
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch.Tensor],
+         o: torch.Tensor, lse: torch.Tensor, block_indices: torch.Tensor, sel_block: int, scale: float,
+         cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, HQ, D = q.shape
     NT, DV = B * T, v.shape[3]
     c, NS = _sizes(q, k, v, block_indices, sel_block)
-    if NT == 0 or NS == 0:  # no key anywhere: all gradients are zero
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dgate = q.new_empty(0, dtype=torch.float32) if gate is None else torch.zeros_like(gate)
+    if NT == 0 or NS == 0:  # no key anywhere (o = 0): all gradients are zero
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dgate
     key_path = _key_path(c["G"], NT)
     qf, kf, vf, idx, pos, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
     of, dof = o.reshape(NT, HQ, DV).contiguous(), do.reshape(NT, HQ, DV).contiguous()
     H = c["H"]
     scale_log2 = scale * math.log2(math.e)
-    delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
-    _sel_bwd_delta_kernel[(triton.cdiv(NT * HQ, 32),)](of, dof, delta, NT * HQ, DV=DV, BDV=c["BDV"], BR=32)
+    gf = pack_gate(gate)
+    delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)    # dgate too, with a gate
+    _sel_bwd_delta_kernel[(triton.cdiv(NT * HQ, 32),)](of, dof, delta, gf, NT * HQ, DV=DV, BDV=c["BDV"], BR=32,
+                                                       GATED=gf is not None)
+    lse = gated_lse(lse.reshape(NT, HQ), gf, torch.log2)
     dq = torch.empty_like(qf)
     if not key_path:  # query-centric dq; the key-centric path gets dq from the dk/dv kernel's partials
         M, union, cfg = _query_launch("dq", c["G"])
@@ -529,7 +542,9 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
     dk, dv = torch.empty_like(kf), torch.empty_like(vf)
     _sel_bwd_reduce_kernel[(triton.cdiv(NT, 32), H)](dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT, H=H, D=D,
                                                      DV=DV, BD=c["BD"], BDV=c["BDV"], BS=sel_block, BSP=BSP, BR=32)
-    return dq.view_as(q), dk.view_as(k), dv.view_as(v)
+    if gate is not None:
+        dgate = delta.view(B, T, HQ).to(gate.dtype)
+    return dq.view_as(q), dk.view_as(k), dv.view_as(v), dgate
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -538,13 +553,13 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o:
 sel_attn_fwd, sel_attn_bwd = attention_op("sel_attn", _fwd, _bwd)
 
 
-def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu_seqlens=None):
-    """Selected-block attention (the definition in nsa_attention.py, "Selected"), differentiable in q, k, v; no host
-    sync, deterministic backward. q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv) fp16/bf16 (fp32 works: tf32 dots
-    on GPU); HQ % H == 0. block_indices int32 (B, T, H, n): for token t and kv head h the block ids j (keys
+def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu_seqlens=None, gate=None):
+    """Selected-block attention (the definition in nsa_attention.py, "Selected"), differentiable in q, k, v and gate;
+    no host sync, deterministic backward. q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv) fp16/bf16 (fp32 works:
+    tf32 dots on GPU); HQ % H == 0. block_indices int32 (B, T, H, n): for token t and kv head h the block ids j (keys
     [j*l', (j+1)*l') masked to <= t); -1 or ids outside [0, t // l'] are ignored. cu_seqlens int32 (N+1,) with
-    B == 1: packed sequences, positions and block ids relative to each start. scale defaults to D ** -0.5.
-    Returns o (B, T, HQ, Dv)."""
+    B == 1: packed sequences, positions and block ids relative to each start. scale defaults to D ** -0.5. gate
+    (B, T, HQ) or None scales each row of o. Returns o (B, T, HQ, Dv)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D (B, T, HQ|H, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -559,5 +574,5 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
         raise ValueError(f"cu_seqlens must be int32 (N + 1,) with B == 1, got {cu_seqlens.dtype} "
                          f"{tuple(cu_seqlens.shape)} with B={B}")
     scale = D ** -0.5 if scale is None else float(scale)
-    return sel_attn_fwd(q, k, v, block_indices, int(sel_block), scale, cu_seqlens)[0]
+    return sel_attn_fwd(q, k, v, gate, block_indices, int(sel_block), scale, cu_seqlens)[0]
 

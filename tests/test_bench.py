@@ -189,10 +189,10 @@ def test_decode_mode(tmp_path):
 def test_layer_mode(tmp_path):
     text, rows = run_bench(tmp_path, "--mode=layer")
     assert "layer check" in text and "(ok)" in text
-    assert {"NSA layer core", "compressed", "select_blocks", "selection", "window", "gate"} <= {r["impl"] for r in rows}
+    assert {"NSA layer core", "compressed", "select_blocks", "selection", "window", "mix"} <= {r["impl"] for r in rows}
     floor = {(r["impl"], r["pass"]): float(r["floor_ms"]) for r in rows}
     for p in ("fwd", "fwd+bwd"):  # the parts' floors add up to the layer core's (select_blocks has no backward)
-        parts = [floor[name, p] for name in ("compressed", "selection", "window", "gate")]
+        parts = [floor[name, p] for name in ("compressed", "selection", "window", "mix")]
         parts.append(floor["select_blocks", "fwd"])
         assert all(f > 0 for f in parts) and sum(parts) == pytest.approx(floor["NSA layer core", p])
     shares = [float(r["floor_share"]) for r in rows if r["pass"] == "fwd"]  # each part's share of the layer's floor

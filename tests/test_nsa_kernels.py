@@ -17,33 +17,56 @@ def randn(g, *shape, dtype=torch.float32, device="cpu"):
     return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
 
-def run_cmp(B, T, HQ, H, D, DV, l, d, dtype, device="cpu", seed=0, cu=None):
-    """Kernel (o, lse, dq, dk, dv) in `dtype` and the reference on the same rounded inputs in fp64 (CPU) / fp32."""
+def random_gate(g, B, T, HQ, device="cpu"):
+    """A branch's gate weights (B, T, HQ) fp32 in [0, 1), every 5th row exactly 0."""
+    gate = torch.rand(B, T, HQ, generator=g)
+    gate.view(-1)[::5] = 0
+    return gate.to(device)
+
+
+def with_gate(g, xs, HQ, gated):
+    """xs plus a gate when gated (B, T from xs[0]); the last output of run_* is then dgate."""
+    return xs + [random_gate(g, *xs[0].shape[:2], HQ, xs[0].device)] if gated else xs
+
+
+def gate_grads(grads, grads_r, xs):
+    """The reference's dgate where the gate is 0 set to the kernels' 0 (the backward folds the gate into the lse, so
+    a row of gate 0 has p = 0; a softmax or sigmoid gate's logits get no gradient from it anyway)."""
+    if len(xs) == 4:
+        grads_r = (*grads_r[:3], torch.where(xs[3] > 0, grads_r[3], 0))
+    return grads, grads_r
+
+
+def run_cmp(B, T, HQ, H, D, DV, l, d, dtype, device="cpu", seed=0, cu=None, gated=False):
+    """Kernel (o, lse, dq, dk, dv[, dgate]) in `dtype` and the reference on the same rounded inputs in fp64 (CPU) /
+    fp32; gated: with a random gate (random_gate)."""
     g = torch.Generator().manual_seed(seed)
     cu_c = None if cu is None else na.cmp_cu_seqlens(cu, l, d)
     Tc = na.num_cmp_blocks(T, l, d) if cu is None else int(cu_c[-1])
     q, k, v, do = (randn(g, *s, dtype=dtype, device=device) for s in ((B, T, HQ, D), (B, Tc, H, D), (B, Tc, H, DV),
                                                                          (B, T, HQ, DV)))
-    xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    o, lse = nk.compressed_attention_triton(*xs, l, d, D ** -0.5, cu, cu_c)
+    xs = [x.clone().requires_grad_() for x in with_gate(g, [q, k, v], HQ, gated)]
+    o, lse = nk.compressed_attention_triton(*xs[:3], l, d, D ** -0.5, cu, cu_c, *xs[3:])
     grads = torch.autograd.grad(o, xs, do, allow_unused=True)
     ref_dt = torch.float64 if device == "cpu" else torch.float32
-    xr = [x.to(ref_dt).requires_grad_() for x in (q, k, v)]
-    o_r, lse_r = na.compressed_attention(*xr, l, d, cu_seqlens=cu, cu_seqlens_cmp=cu_c, backend="torch")
-    grads_r = torch.autograd.grad(o_r, xr, do.to(ref_dt), allow_unused=True)
+    xr = [x.detach().to(ref_dt).requires_grad_() for x in xs]
+    o_r, lse_r = na.compressed_attention(*xr[:3], l, d, cu_seqlens=cu, cu_seqlens_cmp=cu_c, backend="torch",
+                                         gate=xr[3] if gated else None)
+    grads, grads_r = gate_grads(grads, torch.autograd.grad(o_r, xr, do.to(ref_dt), allow_unused=True), xs)
     return (o, lse, *grads), (o_r, lse_r, *grads_r)
 
 
-def run_win(B, T, HQ, H, D, DV, w, dtype, device="cpu", seed=0, cu=None):
+def run_win(B, T, HQ, H, D, DV, w, dtype, device="cpu", seed=0, cu=None, gated=False):
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (randn(g, B, T, h, dd, dtype=dtype, device=device) for h, dd in ((HQ, D), (H, D), (H, DV), (HQ, DV)))
-    xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    o = nk.window_attention_triton(*xs, w, D ** -0.5, cu)
+    xs = [x.clone().requires_grad_() for x in with_gate(g, [q, k, v], HQ, gated)]
+    o = nk.window_attention_triton(*xs[:3], w, D ** -0.5, cu, *xs[3:])
     grads = torch.autograd.grad(o, xs, do)
     ref_dt = torch.float64 if device == "cpu" else torch.float32
-    xr = [x.to(ref_dt).requires_grad_() for x in (q, k, v)]
-    o_r = na.window_attention(*xr, w, cu_seqlens=cu, backend="torch")
-    return (o, *grads), (o_r, *torch.autograd.grad(o_r, xr, do.to(ref_dt)))
+    xr = [x.detach().to(ref_dt).requires_grad_() for x in xs]
+    o_r = na.window_attention(*xr[:3], w, cu_seqlens=cu, backend="torch", gate=xr[3] if gated else None)
+    grads, grads_r = gate_grads(grads, torch.autograd.grad(o_r, xr, do.to(ref_dt)), xs)
+    return (o, *grads), (o_r, *grads_r)
 
 
 def check(out, ref, tol, names):
@@ -141,6 +164,19 @@ def test_window_varlen_matches_reference_and_separate_runs():
     for a, b in ((0, 3), (3, 41), (41, 80)):
         assert torch.allclose(o[:, a:b], nk.window_attention_triton(q[:, a:b], k[:, a:b], v[:, a:b], 10, 0.2),
                               atol=1e-6)
+
+
+@pytest.mark.parametrize("branch", ["compressed", "window"])
+def test_gated_matches_reference(branch):
+    """gate=: o times the gate per row, forward and every gradient, dgate included (G = 3, var-length with a
+    sequence shorter than l, rows of gate 0)."""
+    cu = torch.tensor([0, 6, 60, 97], dtype=torch.int32)
+    if branch == "compressed":
+        out, ref = run_cmp(1, 97, 6, 2, 32, 32, 8, 4, torch.float32, seed=5, cu=cu, gated=True)
+    else:
+        out, ref = run_win(1, 97, 6, 2, 32, 32, 10, torch.float32, seed=5, cu=cu, gated=True)
+    assert out[-1].shape == (1, 97, 6) and (out[-1] != 0).any()
+    check(out, ref, 1e-5, (CMP_NAMES if branch == "compressed" else WIN_NAMES) + ("dgate",))
 
 
 def test_small_tiles_masked_and_unmasked_steps(monkeypatch):

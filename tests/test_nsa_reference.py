@@ -228,9 +228,9 @@ def test_gradcheck_module_and_gate_float64(gate, monkeypatch):
     gate_w = layer.gate[-1].weight.detach().clone().requires_grad_()          # the gate's own parameters too
     of_gate = lambda w: torch.func.functional_call(layer, {"gate.2.weight": w}, (x.detach(),))
     assert torch.autograd.gradcheck(of_gate, (gate_w,))
-    mix = N.gate_mix                                                           # and the check can fail: the same
-    monkeypatch.setattr(N, "gate_mix", lambda g, *o: mix(g, *o) + (g - g.detach())[..., :1] * o[0])  # values,
-    assert not torch.autograd.gradcheck(of_gate, (gate_w,), raise_exception=False)   # twice the gradient of g_cmp
+    mix = N.gated                                                              # and the check can fail: the same
+    monkeypatch.setattr(N, "gated", lambda o, g, dt: mix(o, g, dt) + (g - g.detach())[..., None] * o)  # values,
+    assert not torch.autograd.gradcheck(of_gate, (gate_w,), raise_exception=False)   # twice the gate's gradient
 
 
 def test_gate_starts_even_and_zero_initialised():
@@ -242,15 +242,19 @@ def test_gate_starts_even_and_zero_initialised():
         torch.testing.assert_close(act, torch.full_like(act, expect))
 
 
-def test_record_keeps_gate_and_branch_outputs_that_rebuild_the_output():
+def test_record_keeps_gate_and_gated_branch_outputs_that_rebuild_the_output():
     layer = N.NSAAttention(nsa_config())
     torch.nn.init.normal_(layer.gate[-1].weight)
     x = rnd(1, 40, 32, seed=35)
     layer.record = True
     y = layer(x)
     rec = layer.recorded
-    mix = sum(rec["gate"][..., b:b + 1] * rec[name] for b, name in enumerate(("cmp", "slc", "win")))  # (1, 40, 4, 8)
+    mix = rec["cmp"] + rec["slc"] + rec["win"]                                # (1, 40, 4, 8), Eq. 5
     torch.testing.assert_close(layer.wo(mix.reshape(1, 40, 32)), y)
+    q = layer._project(x, torch.arange(40))[0]                                 # the window branch, ungated
+    k_win, v_win = layer._project(x, torch.arange(40))[5:]
+    o_win = N.window_attention(q, k_win, v_win, layer.cfg.window)
+    torch.testing.assert_close(rec["win"], rec["gate"][..., 2:3] * o_win)
     torch.testing.assert_close(rec["gate"].sum(-1), torch.ones(1, 40, 4))    # softmax over the three branches
 
 
@@ -269,6 +273,8 @@ def test_errors_name_the_argument():
         (lambda: N.window_attention(q, k, v, 4, backend="cuda"), "backend must be"),
         (lambda: N.selection_attention(q, k, v, idx.long(), 16), "block_indices must be an int32"),
         (lambda: N.selection_attention(q, k, v, idx[:, :5], 16), "block_indices must be (B, T, H, n)"),
+        (lambda: N.window_attention(q, k, v, 4, gate=rnd(1, 10, 2)), "gate must be a floating tensor (B, T, HQ)"),
+        (lambda: N.compressed_attention(q, k[:, :4], v[:, :4], 4, 2, gate=idx[..., 0]), "gate must be a floating"),
         (lambda: N.select_blocks(q, k, 32, 12, 64, 4), "cmp_stride must divide cmp_block"),
         (lambda: N.select_blocks(q, k, 32, 16, 40, 4), "cmp_stride must divide sel_block"),
         (lambda: N.select_blocks(q, k, 64, 16, 32, 4), "cmp_block must be <= sel_block"),

@@ -8,6 +8,7 @@ import torch
 
 import nsa_attention
 import sel_kernel
+from test_nsa_kernels import gate_grads, with_gate
 
 CUDA = torch.cuda.is_available()
 
@@ -32,19 +33,21 @@ def rel_rmse(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run_both(B, T, HQ, H, D, DV, n, sel_block, dtype, device="cpu", seed=0, cu_seqlens=None, idx=None):
-    """Kernel output and grads in `dtype`, reference in fp64 (CPU) / fp32 (GPU) on the same rounded inputs."""
+def run_both(B, T, HQ, H, D, DV, n, sel_block, dtype, device="cpu", seed=0, cu_seqlens=None, idx=None, gated=False):
+    """Kernel output and grads (dq, dk, dv[, dgate]) in `dtype`, reference in fp64 (CPU) / fp32 (GPU) on the same
+    rounded inputs; gated: with a random gate (test_nsa_kernels.random_gate)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, k, v, do = (torch.randn(B, T, h, d, generator=g).to(device=device, dtype=dtype)
                    for h, d in ((HQ, D), (H, D), (H, DV), (HQ, DV)))
     idx = random_indices(B, T, H, n, sel_block, seed, device, cu_seqlens) if idx is None else idx
-    qk = [x.clone().requires_grad_() for x in (q, k, v)]
-    o = sel_kernel.selection_attention_triton(*qk, idx, sel_block, None, cu_seqlens)
+    qk = [x.clone().requires_grad_() for x in with_gate(g, [q, k, v], HQ, gated)]
+    o = sel_kernel.selection_attention_triton(*qk[:3], idx, sel_block, None, cu_seqlens, *qk[3:])
     grads = torch.autograd.grad(o, qk, do)
     ref_dt = torch.float64 if device == "cpu" else torch.float32
-    qr = [x.to(ref_dt).requires_grad_() for x in (q, k, v)]
-    o_ref = nsa_attention.selection_attention(*qr, idx, sel_block, cu_seqlens=cu_seqlens, backend="torch")
-    grads_ref = torch.autograd.grad(o_ref, qr, do.to(ref_dt))
+    qr = [x.detach().to(ref_dt).requires_grad_() for x in qk]
+    o_ref = nsa_attention.selection_attention(*qr[:3], idx, sel_block, cu_seqlens=cu_seqlens, backend="torch",
+                                              gate=qr[3] if gated else None)
+    grads, grads_ref = gate_grads(grads, torch.autograd.grad(o_ref, qr, do.to(ref_dt)), qk)
     return (o, *grads), (o_ref, *grads_ref)
 
 
@@ -62,7 +65,7 @@ def path(request, monkeypatch):
 
 def fwd_lse(q, k, v, idx, l, cu_seqlens=None):
     """o and the saved base-2 lse (what the backward reads) of the forward op."""
-    return sel_kernel.sel_attn_fwd(q, k, v, idx, l, q.shape[3] ** -0.5, cu_seqlens)
+    return sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, q.shape[3] ** -0.5, cu_seqlens)
 
 
 def randn(*shapes, seed, dtype=torch.float32, device="cpu"):
@@ -96,6 +99,17 @@ def test_matches_reference_cpu(path, case):
     for name, a, b in zip(("o", "dq", "dk", "dv"), out, ref):
         assert a.dtype == dtype and a.shape == b.shape
         assert rel_rmse(a, b) <= tol, f"{name}: rel RMSE {rel_rmse(a, b):.2e} > {tol}"
+
+
+@pytest.mark.parametrize("path", ["query", "key"], indirect=True)
+@pytest.mark.parametrize("G", [1, 3])
+def test_gated_matches_reference(path, G):
+    """gate=: o times the gate per row, forward and every gradient, dgate included (var-length, rows of gate 0)."""
+    cu = torch.tensor([0, 20, 57], dtype=torch.int32)
+    out, ref = run_both(1, 57, 2 * G, 2, 32, 32, 3, 16, torch.float32, seed=30 + G, cu_seqlens=cu, gated=True)
+    assert out[-1].shape == (1, 57, 2 * G) and (out[-1] != 0).any()
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
+        assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
 
 
 @pytest.mark.parametrize("path", ["query"], indirect=True)
