@@ -23,11 +23,15 @@ from nsa_kernels import (attention_op, gate_delta, gate_out, gated_lse, group_ro
 #   launch; each chunk writes an fp32 partial dK/dV tile and a reduction kernel adds a block's partials in chunk
 #   order. No atomics.
 # - CONFIG["path"] = "key" (or "auto" at small G): a key-centric forward instead (its own section), whose backward is
-#   the dk/dv kernel writing dq partials too (no query-centric dq pass).
+#   the dk/dv kernel writing dq partials too (no query-centric dq pass). Its per-pair partials are held for one token
+#   window at a time (KEY_WINDOW_ROWS): each window gets the reverse index of its own pairs, and dk/dv add up over
+#   the windows in window order.
 # - ids are cleaned once on the host side (torch ops, no sync): out of [0, t // l'] or repeated -> -1.
 # The file reads: inner loops -> kernels -> host launchers (_fwd, _bwd) -> ops -> selection_attention_triton.
 
 CHUNK_ROWS = 16384  # query rows (tokens x G) per dk/dv work item; scratch is (T*H*n*G / CHUNK_ROWS + blocks) tiles
+KEY_WINDOW_ROWS = 2 ** 22  # key path: per-pair partial rows (token x query head x slot x sub-block) held at once;
+#                            more tokens run in token windows of this many rows (1 GiB of bf16 partials at Dv = 128)
 # launch parameters per kernel, picked on one H100 with bench.py's launch sweep (which may override them);
 # rows: query rows M per program (a power of 2, at least 16 for tl.dot; M // G whole tokens or pairs, one group at
 # least); union: a tile of several tokens loads a block listed by several of them once
@@ -214,24 +218,27 @@ def _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT, H: tl.constexpr,
 
 
 @triton.jit
-def _key_pairs(q, rev, pos, e, e1, i_h, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+def _key_pairs(q, rev, pos, e, e1, i_h, T0, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
                BD: tl.constexpr, NS: tl.constexpr):
-    """Pairs [e, e + M // G) of a reverse-index chunk ending at e1 as the M rows (pair, head) of a query tile: their
-    tokens, row mask, token offsets and heads (as tile_rows), positions, Q tile [M, BD] and the row of each one's
-    partials, laid out (token, query head, slot, sub-block): pr * NKC + sub-block."""
+    """Pairs [e, e + M // G) of a reverse-index chunk ending at e1 (of the token window from T0) as the M rows (pair,
+    head) of a query tile: their tokens, row mask, token offsets and heads (as tile_rows), positions, Q tile [M, BD]
+    and the row of each one's partials, laid out (token in the window, query head, slot, sub-block): pr * NKC +
+    sub-block."""
     p_r, g_r, m_g = group_rows(M, G)
     e_r = e + p_r                                                          # [M] entry of each row, then the G heads
     m_e = m_g & (e_r < e1)
     ts = tl.load(rev + e_r, mask=m_e, other=0)                             # [M] token * n + slot, tokens ascending
-    t_r = ts // NS
+    t_w = ts // NS                                                         # [M] token inside the window
+    t_r = T0 + t_w
     m_r, t_off, hq_r = tile_rows(t_r, g_r, m_e, i_h, H, G)
     rel_r = tl.load(pos + t_r, mask=m_e, other=-1)                         # [M] positions inside the sequences
-    return t_r, m_r, t_off, hq_r, rel_r, load_rows(q, t_off + hq_r, m_r, D, BD), (t_off + hq_r) * NS + ts % NS
+    pr = (t_w.to(tl.int64) * (H * G) + hq_r) * NS + ts % NS
+    return t_r, m_r, t_off, hq_r, rel_r, load_rows(q, t_off + hq_r, m_r, D, BD), pr
 
 
 @triton.jit
 def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, rev, c_begin, c_end, c_key, dk_part, dv_part, dq_part, pos,
-                        scale_log2, scale, NT, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+                        scale_log2, scale, NT, T0, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
                         DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                         BSP: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr, WRITE_DQ: tl.constexpr):
     """The dk/dv partial of one chunk x key sub-block; WRITE_DQ (key-centric path): also each (pair, sub-block)'s dq
@@ -242,7 +249,7 @@ def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, rev, c_begin, c_end, c_key, dk_
     b_dk = tl.zeros([BK, BD], tl.float32)
     b_dv = tl.zeros([BK, BDV], tl.float32)
     for e in range(e0, e1, M // G):
-        t_r, m_r, t_off, hq_r, rel_r, b_q, pr = _key_pairs(q, rev, pos, e, e1, i_h, H, G, M, D, BD, NS)  # [M, BD]
+        t_r, m_r, t_off, hq_r, rel_r, b_q, pr = _key_pairs(q, rev, pos, e, e1, i_h, T0, H, G, M, D, BD, NS)
         b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                    # [M, BDV]
         b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.)
         b_delta = tl.load(delta + t_off + hq_r, mask=m_r, other=0.)
@@ -263,7 +270,9 @@ def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, rev, c_begin, c_end, c_key, dk_
 @triton.jit
 def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT,
                            H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                           BS: tl.constexpr, BSP: tl.constexpr, BR: tl.constexpr):
+                           BS: tl.constexpr, BSP: tl.constexpr, BR: tl.constexpr, ADD: tl.constexpr):
+    """dk/dv of each key = its block's chunk partials summed in chunk order; ADD: added to what dk/dv hold (the
+    earlier token windows' sums)."""
     i_r, i_h = tl.program_id(0), tl.program_id(1)
     u = i_r * BR + tl.arange(0, BR)                       # [BR] global key tokens
     m_u = u < NT
@@ -279,6 +288,9 @@ def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT,
         b_dk += load_rows(dk_part, part, m_c, D, BD)
         b_dv += load_rows(dv_part, part, m_c, DV, BDV)
     out = u.to(tl.int64) * H + i_h
+    if ADD:
+        b_dk += load_rows(dk, out, m_u, D, BD)
+        b_dv += load_rows(dv, out, m_u, DV, BDV)
     store_rows(dk, out, m_u, b_dk, D, BD)
     store_rows(dv, out, m_u, b_dv, DV, BDV)
 
@@ -299,7 +311,7 @@ def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT,
 # of another sequence are never loaded.
 
 @triton.jit
-def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, rev, c_begin, c_end, c_key, pos, scale_log2, NT,
+def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, rev, c_begin, c_end, c_key, pos, scale_log2, NT, T0,
                         H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                         D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                         BS: tl.constexpr, BK: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr):
@@ -309,7 +321,7 @@ def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, rev, c_begin, c_end, c_key, p
     e0, e1, i_h, rel_k, m_k, b_k, b_v = _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT,
                                                    H, D, DV, BD, BDV, BS, BK)
     for e in range(e0, e1, M // G):
-        t_r, m_r, t_off, hq_r, rel_r, b_q, pr = _key_pairs(q, rev, pos, e, e1, i_h, H, G, M, D, BD, NS)  # [M, BD]
+        t_r, m_r, t_off, hq_r, rel_r, b_q, pr = _key_pairs(q, rev, pos, e, e1, i_h, T0, H, G, M, D, BD, NS)
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
         m_s = m_r[:, None] & m_k[None, :] & (rel_k[None, :] <= rel_r[:, None])  # causal inside the block
         m_i, l_i, acc = softmax_step(tl.where(m_s, b_s, float("-inf")), b_v, tl.full([M], float("-inf"), tl.float32),
@@ -321,23 +333,32 @@ def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, rev, c_begin, c_end, c_key, p
 
 
 @triton.jit
-def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, gate, NT, H: tl.constexpr, G: tl.constexpr,
+def _window_tile(i_t, i_h, T0, T1, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr):
+    """Tile i_t of the window's tokens [T0, T1) x the G heads of kv head i_h: the tokens and their mask, then as
+    tile_rows the row mask, token offsets and query heads, and each row's first partial row ((token in the window,
+    query head) of the (token, query head, slot, sub-block) layout)."""
+    p_r, g_r, m_g = group_rows(M, G)
+    t_r = T0 + i_t * (M // G) + p_r                                         # [M] tokens
+    m_t = m_g & (t_r < T1)
+    m_r, t_off, hq_r = tile_rows(t_r, g_r, m_t, i_h, H, G)
+    return t_r, m_t, m_r, t_off, hq_r, (t_r - T0).to(tl.int64) * (H * G) + hq_r
+
+
+@triton.jit
+def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, gate, T0, T1, H: tl.constexpr, G: tl.constexpr,
                           M: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, NS: tl.constexpr, NKC: tl.constexpr,
                           GATED: tl.constexpr):
     """o = sum_s 2^(lse_s - lse) o_s (times the gate) and lse = log2 sum_s 2^lse_s over a token's partials, in
     (slot, sub-block) order: the online-softmax step with each partial as one key of score lse_s and value o_s."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    p_r, g_r, m_g = group_rows(M, G)
-    t_r = i_t * (M // G) + p_r                                              # [M] tokens
-    m_t = m_g & (t_r < NT)
-    m_r, t_off, hq_r = tile_rows(t_r, g_r, m_t, i_h, H, G)
+    t_r, m_t, m_r, t_off, hq_r, w_row = _window_tile(i_t, i_h, T0, T1, H, G, M)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BDV], tl.float32)
     for s in range(NS):
         m_v = m_r & (tl.load(idx + (t_r.to(tl.int64) * H + i_h) * NS + s, mask=m_t, other=-1) >= 0)  # slot s used
         for kc in tl.static_range(NKC):
-            row = ((t_off + hq_r) * NS + s) * NKC + kc
+            row = (w_row * NS + s) * NKC + kc
             b_lse = tl.load(lse_part + row, mask=m_v, other=float("-inf"))
             m_i, alpha, b_w = softmax_rescale(b_lse[:, None], m_i)           # b_w [M, 1]: the partial's weight
             acc = acc * alpha[:, None] + load_rows(o_part, row, m_v, DV, BDV) * b_w       # [M, BDV]
@@ -348,19 +369,16 @@ def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, gate, NT, H: tl.constex
 
 
 @triton.jit
-def _sel_key_dq_kernel(dq_part, idx, dq, NT, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+def _sel_key_dq_kernel(dq_part, idx, dq, T0, T1, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
                        BD: tl.constexpr, NS: tl.constexpr, NKC: tl.constexpr):
     """dq of each token = its dq partials summed in (slot, sub-block) order."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    p_r, g_r, m_g = group_rows(M, G)
-    t_r = i_t * (M // G) + p_r                                              # [M] tokens
-    m_t = m_g & (t_r < NT)
-    m_r, t_off, hq_r = tile_rows(t_r, g_r, m_t, i_h, H, G)
+    t_r, m_t, m_r, t_off, hq_r, w_row = _window_tile(i_t, i_h, T0, T1, H, G, M)
     b_dq = tl.zeros([M, BD], tl.float32)
     for s in range(NS):
         m_v = m_r & (tl.load(idx + (t_r.to(tl.int64) * H + i_h) * NS + s, mask=m_t, other=-1) >= 0)  # slot s used
         for kc in tl.static_range(NKC):
-            b_dq += load_rows(dq_part, ((t_off + hq_r) * NS + s) * NKC + kc, m_v, D, BD)
+            b_dq += load_rows(dq_part, (w_row * NS + s) * NKC + kc, m_v, D, BD)
     store_rows(dq, t_off + hq_r, m_r, b_dq, D, BD)
 
 
@@ -421,21 +439,28 @@ def _pair_tiles(rows, chunk_rows, G):
     return M, max(M // G, chunk_rows // G // (M // G) * (M // G))
 
 
-def _reverse_index(idx, pos, sel_block, n_seq, chunk):
-    """For every (kv head, selected block): the (token, slot) pairs that selected it, tokens ascending, cut into
-    chunks of `chunk`. idx (NT, H, n) int32 cleaned, pos (NT,) int32. Returns rev (E,) = token * n + slot (int32
-    where it fits), per chunk begin/end/key (NC,), and per (head, block start token) the chunk range seg_c0/seg_c1
-    (H*NT,). O(NT*H*n) memory, no host sync."""
-    NT, H, NS = idx.shape
-    dev = idx.device
+def _windows(NT, HQ, NS, NKC):
+    """The key path's token windows [t0, t1): at most KEY_WINDOW_ROWS partial rows each (one window while NT fits)."""
+    W = max(1, KEY_WINDOW_ROWS // (HQ * NS * NKC))
+    return [(t0, min(NT, t0 + W)) for t0 in range(0, NT, W)]
+
+
+def _reverse_index(idx, pos, t0, sel_block, n_seq, chunk):
+    """For every (kv head, selected block): the (token, slot) pairs of the token window [t0, t0 + W) that selected
+    it, tokens ascending, cut into chunks of `chunk`. idx (W, H, n) int32 cleaned (the window's rows), pos (NT,)
+    int32 (all tokens). Returns rev (E,) = token in the window * n + slot (int32 where it fits), per chunk
+    begin/end/key (NC,) (key = kv head * NT + the block's first token), and per (head, block start token) the chunk
+    range seg_c0/seg_c1 (H*NT,). O(W*H*n + H*NT) memory, no host sync."""
+    W, H, NS = idx.shape
+    NT, dev = pos.numel(), idx.device
     j = idx.long()                                                             # cleaned: valid or -1
-    kst = (torch.arange(NT, device=dev) - pos.long())[:, None, None] + j * sel_block  # global start of the block
+    kst = (torch.arange(t0, t0 + W, device=dev) - pos[t0:t0 + W].long())[:, None, None] + j * sel_block  # block start
     head = torch.arange(H, device=dev)[None, :, None]
     key = torch.where(j >= 0, head * NT + kst, H * NT).flatten()               # (E,) invalid -> sentinel, last
     if H * NT < 2 ** 31:
         key = key.int()                                                        # a radix sort of half the passes
     key, perm = torch.sort(key, stable=True)                                   # stable: tokens stay ascending
-    rev = (perm // (H * NS) * NS + perm % NS).to(torch.int32 if NT * NS < 2 ** 31 else torch.int64)
+    rev = (perm // (H * NS) * NS + perm % NS).to(torch.int32 if W * NS < 2 ** 31 else torch.int64)
     E = key.numel()
     i = torch.arange(E, device=dev)
     new_seg = torch.ones(E, dtype=torch.bool, device=dev)
@@ -443,8 +468,8 @@ def _reverse_index(idx, pos, sel_block, n_seq, chunk):
     valid = key < H * NT
     seg_start = torch.searchsorted(key, key)                                   # first entry of each one's block
     is_chunk = valid & (new_seg | ((i - seg_start) % chunk == 0))
-    # chunks <= E / chunk + segments, segments <= H * (NT / l' + n_seq)
-    NC = E // chunk + H * (NT // sel_block + n_seq) + 1
+    # chunks <= E / chunk + segments, segments <= min(E, H * (NT / l' + n_seq))
+    NC = E // chunk + min(E, H * (NT // sel_block + n_seq)) + 1
     csum = torch.cumsum(is_chunk, 0)
     c_begin = torch.searchsorted(csum, torch.arange(1, NC + 2, device=dev))   # position of the c-th chunk start
     c_begin = torch.minimum(c_begin, valid.sum())
@@ -457,23 +482,26 @@ def _reverse_index(idx, pos, sel_block, n_seq, chunk):
 
 
 def _fwd_key(qf, kf, vf, gf, idx, pos, n_seq, c, NS, scale_log2):
-    """The key-centric forward on packed inputs: partials per (token, query head, slot, sub-block), then the merge
-    (which applies the gate gf, (NT, HQ) fp32 or None)."""
+    """The key-centric forward on packed inputs, window by window: partials per (token, query head, slot,
+    sub-block), then the merge (which applies the gate gf, (NT, HQ) fp32 or None)."""
     NT, HQ, DV = qf.shape[0], qf.shape[1], vf.shape[2]
     cfg = dict(CONFIG["key_fwd"])
     c, NKC = _key_tiles(c, c["BS"])
     M, chunk = _pair_tiles(cfg.pop("rows"), cfg.pop("chunk_rows"), c["G"])
-    rev, c_begin, c_end, c_key, _, _ = _reverse_index(idx, pos, c["BS"], n_seq, chunk)
-    o_part = torch.empty(NT * HQ * NS * NKC, DV, device=qf.device, dtype=qf.dtype)  # lse and the merge: fp32
-    lse_part = torch.empty(NT * HQ * NS * NKC, device=qf.device, dtype=torch.float32)
-    _sel_key_fwd_kernel[(c_begin.numel(), NKC)](qf, kf, vf, o_part, lse_part, rev, c_begin, c_end, c_key, pos,
-                                                scale_log2, NT, M=M, NKC=NKC, NS=NS, **c, **cfg)
+    windows = _windows(NT, HQ, NS, NKC)
+    rows = (windows[0][1] - windows[0][0]) * HQ * NS * NKC                    # partial rows of the largest window
+    o_part = torch.empty(rows, DV, device=qf.device, dtype=qf.dtype)           # lse and the merge: fp32
+    lse_part = torch.empty(rows, device=qf.device, dtype=torch.float32)
     o = torch.empty(NT, HQ, DV, device=qf.device, dtype=qf.dtype)
     lse = torch.empty(NT, HQ, device=qf.device, dtype=torch.float32)
-    M = tile_m(32, c["G"])
-    _sel_key_merge_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](o_part, lse_part, idx, o, lse, gf, NT, H=c["H"],
-                                                                  G=c["G"], M=M, DV=DV, BDV=c["BDV"], NS=NS, NKC=NKC,
-                                                                  GATED=gf is not None)
+    M_merge = tile_m(32, c["G"])
+    for t0, t1 in windows:
+        rev, c_begin, c_end, c_key, _, _ = _reverse_index(idx[t0:t1], pos, t0, c["BS"], n_seq, chunk)
+        _sel_key_fwd_kernel[(c_begin.numel(), NKC)](qf, kf, vf, o_part, lse_part, rev, c_begin, c_end, c_key, pos,
+                                                    scale_log2, NT, t0, M=M, NKC=NKC, NS=NS, **c, **cfg)
+        _sel_key_merge_kernel[(triton.cdiv(t1 - t0, M_merge // c["G"]), c["H"])](
+            o_part, lse_part, idx, o, lse, gf, t0, t1, H=c["H"], G=c["G"], M=M_merge, DV=DV, BDV=c["BDV"], NS=NS,
+            NKC=NKC, GATED=gf is not None)
     return o, lse
 
 
@@ -527,21 +555,31 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     cfg = dict(CONFIG["key_bwd" if key_path else "dkv"])
     c_kv, NKC = _key_tiles(c, sel_block)
     M, chunk = _pair_tiles(cfg.pop("rows"), CHUNK_ROWS, c["G"])
-    rev, c_begin, c_end, c_key, seg_c0, seg_c1 = _reverse_index(idx, pos, sel_block, n_seq, chunk)
-    NC, BSP = c_begin.numel(), NKC * c_kv["BK"]
-    dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
-    dv_part = torch.empty(NC, BSP, DV, device=q.device, dtype=torch.float32)
-    dq_part = torch.empty(NT * HQ * NS * NKC, D, device=q.device, dtype=q.dtype) if key_path else None
-    _sel_bwd_dkv_kernel[(NC, NKC)](qf, kf, vf, dof, lse, delta, rev, c_begin, c_end, c_key, dk_part, dv_part, dq_part,
-                                   pos, scale_log2, scale, NT, M=M, BSP=BSP, NKC=NKC, NS=NS, WRITE_DQ=key_path,
-                                   **c_kv, **cfg)
-    if key_path:
-        M = tile_m(32, c["G"])
-        _sel_key_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](dq_part, idx, dq, NT, H=H, G=c["G"], M=M, D=D,
-                                                              BD=c["BD"], NS=NS, NKC=NKC)
+    BSP = NKC * c_kv["BK"]
+    windows = _windows(NT, HQ, NS, NKC) if key_path else [(0, NT)]   # the query path writes no per-pair partials
+    dq_part = torch.empty((windows[0][1] - windows[0][0]) * HQ * NS * NKC, D, device=q.device, dtype=q.dtype) \
+        if key_path else None
     dk, dv = torch.empty_like(kf), torch.empty_like(vf)
-    _sel_bwd_reduce_kernel[(triton.cdiv(NT, 32), H)](dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT, H=H, D=D,
-                                                     DV=DV, BD=c["BD"], BDV=c["BDV"], BS=sel_block, BSP=BSP, BR=32)
+    dk_sum, dv_sum = (dk, dv) if len(windows) == 1 else (torch.empty_like(kf, dtype=torch.float32),  # windows add
+                                                          torch.empty_like(vf, dtype=torch.float32))  # up in fp32
+    for t0, t1 in windows:
+        rev, c_begin, c_end, c_key, seg_c0, seg_c1 = _reverse_index(idx[t0:t1], pos, t0, sel_block, n_seq, chunk)
+        NC = c_begin.numel()
+        dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
+        dv_part = torch.empty(NC, BSP, DV, device=q.device, dtype=torch.float32)
+        _sel_bwd_dkv_kernel[(NC, NKC)](qf, kf, vf, dof, lse, delta, rev, c_begin, c_end, c_key, dk_part, dv_part,
+                                       dq_part, pos, scale_log2, scale, NT, t0, M=M, BSP=BSP, NKC=NKC, NS=NS,
+                                       WRITE_DQ=key_path, **c_kv, **cfg)
+        if key_path:
+            M_sum = tile_m(32, c["G"])
+            _sel_key_dq_kernel[(triton.cdiv(t1 - t0, M_sum // c["G"]), H)](dq_part, idx, dq, t0, t1, H=H, G=c["G"],
+                                                                          M=M_sum, D=D, BD=c["BD"], NS=NS, NKC=NKC)
+        _sel_bwd_reduce_kernel[(triton.cdiv(NT, 32), H)](dk_part, dv_part, dk_sum, dv_sum, pos, seg_c0, seg_c1, NT,
+                                                         H=H, D=D, DV=DV, BD=c["BD"], BDV=c["BDV"], BS=sel_block,
+                                                         BSP=BSP, BR=32, ADD=t0 > 0)
+    if dk_sum is not dk:
+        dk.copy_(dk_sum)
+        dv.copy_(dv_sum)
     if gate is not None:
         dgate = delta.view(B, T, HQ).to(gate.dtype)
     return dq.view_as(q), dk.view_as(k), dv.view_as(v), dgate
