@@ -2,7 +2,8 @@
   selection: the selected-block attention of sel_kernel.py alone, each of its paths, against dense causal attention
              (every SDPA backend, flash-attn if importable) and the PyTorch reference of nsa_attention.py;
   layer:     the whole NSA layer core (gate, compressed, select_blocks, selection, window, mix) and each part, against
-             dense causal cuDNN attention and against each part's floor (its FLOPs or bytes at rates measured in the run);
+             dense causal cuDNN attention and against each part's floor (its FLOPs or bytes at rates measured in the
+             run);
   decode:    one decode step over a filled cache, the attention alone and the whole layer, against dense SDPA.
 Selections come from random inputs or (--indices=trained) from a trained model run on real text; the selection and
 layer modes print how local they are. `python bench.py --mode=layer --csv=out.csv`; without CUDA each mode runs a
@@ -48,8 +49,8 @@ decode_batches = (1, 8)  # decode mode: batch sizes
 dense = True  # dense causal attention baselines
 check = True  # compare our output and grads with an fp32 reference at a small T first
 sweep = False  # instead of the table, time launch configs of the mode's kernels at the largest T (selection, layer)
-graphs = False  # layer mode: time each part replayed from a CUDA graph (as train.py's default on one GPU runs it),
-#                 so launch overhead is out of the numbers
+graphs = False  # layer mode and sweeps: time each part (each config) replayed from a CUDA graph (as train.py's default
+#                 on one GPU runs NSA), so launch overhead is out of the numbers
 profile = False  # per-kernel CUDA time at the largest T: one forward+backward (selection; layer: the core at the last
 #                  HQ of layer_hq), one decode step
 warmup_ms = 25  # triton.testing.do_bench warmup (ms)
@@ -149,7 +150,8 @@ def sweep_configs(title, table, grid, ops):
         for cfg in configs:
             with overridden(table, {kname: cfg}):
                 try:
-                    res = "  ".join(f"{name} {bench(fn):.3f} ms" for name, fn in ops[kname])
+                    timed = [(name, bench(captured(fn) if graphs else fn)) for name, fn in ops[kname]]
+                    res = "  ".join(f"{name} {ms:.3f} ms" for name, ms in timed)
                 except Exception as e:  # out of resources for this config
                     res = f"failed ({str(e).splitlines()[0][:60]})"
             print(f"  {kname:<6} {' '.join(f'{k}={v}' for k, v in cfg.items()):<44} {res}")
@@ -483,11 +485,12 @@ def selection_sweep(trained, source):
     grid = {"fwd": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
             "dq": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
             "dkv": [dict(rows=r, num_warps=w, num_stages=s) for r, w, s in ((64, 4, 2), (64, 4, 3), (128, 8, 2))],
-            "key_fwd": [dict(rows=r, chunk_rows=c, num_warps=w, num_stages=2)
-                        for r, c, w in ((64, 1024, 4), (64, 2048, 8), (128, 1024, 8), (128, 2048, 8), (128, 4096, 8),
-                                        (256, 2048, 8))],
+            "key_fwd": [dict(rows=r, chunk_rows=c, num_warps=w, num_stages=s)
+                        for r, c, w, s in ((64, 1024, 4, 2), (64, 2048, 8, 2), (128, 1024, 8, 2), (128, 2048, 8, 2),
+                                           (128, 2048, 8, 3), (128, 2048, 4, 2), (128, 4096, 8, 2), (256, 2048, 8, 2))],
             "key_bwd": [dict(rows=r, num_warps=w, num_stages=s)
-                        for r, w, s in ((64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2))]}
+                        for r, w, s in ((64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3),
+                                        (256, 8, 2))]}
     ops = {"fwd": [("fwd", on("query", f))], "dq": [("fwd+bwd", on("query", fb))],
            "dkv": [("fwd+bwd", on("query", fb))], "key_fwd": [("fwd", on("key", f))],
            "key_bwd": [("fwd+bwd", on("key", fb))]}

@@ -40,8 +40,8 @@ CONFIG = {
     "dq": dict(rows=16, union=False, num_warps=2, num_stages=2),
     "dkv": dict(rows=64, num_warps=4, num_stages=3),
     "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by shape
-    "key_fwd": dict(rows=128, chunk_rows=2048, num_warps=8, num_stages=2),  # chunk_rows: query rows per program
-    "key_bwd": dict(rows=128, num_warps=8, num_stages=2),  # the dk/dv kernel on the key path (dq partials too)
+    "key_fwd": dict(rows=128, chunk_rows=2048, num_warps=4, num_stages=2),  # chunk_rows: query rows per program
+    "key_bwd": dict(rows=128, num_warps=8, num_stages=3),  # the dk/dv kernel on the key path (dq partials too)
 }
 KEY_MAX_G = 4          # "auto" takes the key-centric path for G = HQ / H up to this (RESULTS.md, "Selection paths") ...
 KEY_MIN_TOKENS = 4096  # ... and at least this many packed tokens (below, the reverse-index sort and launches show)
