@@ -179,6 +179,12 @@ def gated_lse(lse, gate, log):
     return lse if gate is None else torch.where(gate > 0, lse - log(gate), float("inf"))
 
 
+def gate_grad(delta, gate):
+    """An op's dgate: the backward's delta (fp32, one value per row, = rowsum(o_branch * do) with a gate) in the
+    gate's shape and dtype, or an empty tensor without a gate (an op returns tensors)."""
+    return delta.new_empty(0) if gate is None else delta.view_as(gate).to(gate.dtype)
+
+
 def attention_op(name, fwd, bwd):
     """Registers fwd(q, k, v, gate, *args) -> (o (B, T, HQ, Dv), lse (B, T, HQ) fp32) as the op nsa::{name}_fwd and
     bwd(do, q, k, v, gate, o, lse, *args) -> (dq, dk, dv, dgate) as nsa::{name}_bwd (schemas from their
@@ -836,8 +842,7 @@ def _range_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     n_chunks = 1 if kind == 1 else max(1, min(triton.cdiv(B * T, DKV_CHUNK), triton.cdiv(2048, max(1, n_key_programs))))
     dq, dk, dv, delta = _range_bwd(pack(do), pack(q), pack(k), pack(v), pack_gate(gate), pack(o), pack(lse), geo, lo,
                                    hi, qlo, qhi, scale, n_chunks)
-    dgate = q.new_empty(0, dtype=torch.float32) if gate is None else delta.view(B, T, HQ).to(gate.dtype)
-    return dq.view_as(q), dk.view_as(k), dv.view_as(v), dgate
+    return dq.view_as(q), dk.view_as(k), dv.view_as(v), gate_grad(delta, gate)
 
 
 range_attn_fwd, range_attn_bwd = attention_op("range_attn", _range_attn_fwd, _range_attn_bwd)

@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_kernels import (attention_op, gate_delta, gate_out, gated_lse, group_rows, head_sizes, load_rows, pack,
-                         pack_gate, sequences, softmax_finish, softmax_rescale, softmax_step, store_rows, tile_m,
+from nsa_kernels import (attention_op, gate_delta, gate_grad, gate_out, gated_lse, group_rows, head_sizes, load_rows,
+                         pack, pack_gate, sequences, softmax_finish, softmax_rescale, softmax_step, store_rows, tile_m,
                          tile_rows)
 
 # Layout of the work (NT = all packed tokens, H kv heads, G = HQ / H query heads per kv head, l' = sel_block, n slots):
@@ -533,9 +533,9 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     B, T, HQ, D = q.shape
     NT, DV = B * T, v.shape[3]
     c, NS = _sizes(q, k, v, block_indices, sel_block)
-    dgate = q.new_empty(0, dtype=torch.float32) if gate is None else torch.zeros_like(gate)
     if NT == 0 or NS == 0:  # no key anywhere (o = 0): all gradients are zero
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dgate
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                gate_grad(q.new_zeros(B, T, HQ, dtype=torch.float32), gate))
     key_path = _key_path(c["G"], NT)
     qf, kf, vf, idx, pos, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
     of, dof = o.reshape(NT, HQ, DV).contiguous(), do.reshape(NT, HQ, DV).contiguous()
@@ -580,9 +580,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     if dk_sum is not dk:
         dk.copy_(dk_sum)
         dv.copy_(dv_sum)
-    if gate is not None:
-        dgate = delta.view(B, T, HQ).to(gate.dtype)
-    return dq.view_as(q), dk.view_as(k), dv.view_as(v), dgate
+    return dq.view_as(q), dk.view_as(k), dv.view_as(v), gate_grad(delta, gate)
 
 
 # ----------------------------------------------------------------------------------------------------------------
