@@ -402,6 +402,18 @@ def test_varlen_gpu(path, HQ):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["key"], indirect=True)
+def test_key_path_windows_gated_gpu(path, monkeypatch):
+    """bf16: the key path over several token windows (300 tokens each, cutting the sequences) with a gate matches the
+    fp32 reference, dgate included."""
+    monkeypatch.setattr(sel_kernel, "KEY_WINDOW_ROWS", 300 * 8 * 16)
+    cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
+    out, ref = run_both(1, 2000, 8, 4, 128, 128, 16, 64, torch.bfloat16, device="cuda", cu_seqlens=cu, gated=True)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
+        assert rel_rmse(a, b) <= 1e-2, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("path,HQ", [("query", 16), ("key", 4)], indirect=["path"])
 def test_deterministic_gpu(path, HQ):
     a, _ = run_both(1, 8192, HQ, 1, 128, 128, 16, 64, torch.bfloat16, device="cuda", seed=11)
