@@ -1,9 +1,9 @@
 """Benchmarks of nanoNSA's kernels on one GPU, in three modes; each first checks its kernels against the fp32 reference.
   selection: the selected-block attention of sel_kernel.py alone, each of its paths, against dense causal attention
              (every SDPA backend, flash-attn if importable) and the PyTorch reference of nsa_attention.py;
-  layer:     the whole NSA layer core (gate, compressed, select_blocks, selection, window, mix) and each part, against
-             dense causal cuDNN attention and against each part's floor (its FLOPs or bytes at rates measured in the
-             run);
+  layer:     the whole NSA layer core (the gate's softmax, compressed, select_blocks, selection, window, mix) and each
+             part but the softmax, against dense causal cuDNN attention and against each part's floor (its FLOPs or
+             bytes at rates measured in the run);
   decode:    one decode step over a filled cache, the attention alone and the whole layer, against dense SDPA.
 Selections come from random inputs or (--indices=trained) from a trained model run on real text; the selection and
 layer modes print how local they are. `python bench.py --mode=layer --csv=out.csv`; without CUDA each mode runs a
