@@ -440,9 +440,10 @@ def _pair_tiles(rows, chunk_rows, G):
 
 
 def _windows(NT, HQ, NS, NKC):
-    """The key path's token windows [t0, t1): at most KEY_WINDOW_ROWS partial rows each (one window while NT fits)."""
+    """The key path's token windows [t0, t1), at most KEY_WINDOW_ROWS partial rows each (one window while NT fits),
+    and the partial rows of the largest (the rows its buffers need)."""
     W = max(1, KEY_WINDOW_ROWS // (HQ * NS * NKC))
-    return [(t0, min(NT, t0 + W)) for t0 in range(0, NT, W)]
+    return [(t0, min(NT, t0 + W)) for t0 in range(0, NT, W)], min(W, NT) * HQ * NS * NKC
 
 
 def _reverse_index(idx, pos, t0, sel_block, n_seq, chunk):
@@ -488,8 +489,7 @@ def _fwd_key(qf, kf, vf, gf, idx, pos, n_seq, c, NS, scale_log2):
     cfg = dict(CONFIG["key_fwd"])
     c, NKC = _key_tiles(c, c["BS"])
     M, chunk = _pair_tiles(cfg.pop("rows"), cfg.pop("chunk_rows"), c["G"])
-    windows = _windows(NT, HQ, NS, NKC)
-    rows = (windows[0][1] - windows[0][0]) * HQ * NS * NKC                    # partial rows of the largest window
+    windows, rows = _windows(NT, HQ, NS, NKC)
     o_part = torch.empty(rows, DV, device=qf.device, dtype=qf.dtype)           # lse and the merge: fp32
     lse_part = torch.empty(rows, device=qf.device, dtype=torch.float32)
     o = torch.empty(NT, HQ, DV, device=qf.device, dtype=qf.dtype)
@@ -556,9 +556,9 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     c_kv, NKC = _key_tiles(c, sel_block)
     M, chunk = _pair_tiles(cfg.pop("rows"), CHUNK_ROWS, c["G"])
     BSP = NKC * c_kv["BK"]
-    windows = _windows(NT, HQ, NS, NKC) if key_path else [(0, NT)]   # the query path writes no per-pair partials
-    dq_part = torch.empty((windows[0][1] - windows[0][0]) * HQ * NS * NKC, D, device=q.device, dtype=q.dtype) \
-        if key_path else None
+    windows, rows = _windows(NT, HQ, NS, NKC) if key_path else ([(0, NT)], 0)   # the query path: no per-pair partials
+    dq_part = torch.empty(rows, D, device=q.device, dtype=q.dtype) if key_path else None
+    M_sum = tile_m(32, c["G"])                                                 # the dq-sum kernel's tile
     dk, dv = torch.empty_like(kf), torch.empty_like(vf)
     dk_sum, dv_sum = (dk, dv) if len(windows) == 1 else (torch.empty_like(kf, dtype=torch.float32),  # windows add
                                                           torch.empty_like(vf, dtype=torch.float32))  # up in fp32
@@ -571,7 +571,6 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
                                        dq_part, pos, scale_log2, scale, NT, t0, M=M, BSP=BSP, NKC=NKC, NS=NS,
                                        WRITE_DQ=key_path, **c_kv, **cfg)
         if key_path:
-            M_sum = tile_m(32, c["G"])
             _sel_key_dq_kernel[(triton.cdiv(t1 - t0, M_sum // c["G"]), H)](dq_part, idx, dq, t0, t1, H=H, G=c["G"],
                                                                           M=M_sum, D=D, BD=c["BD"], NS=NS, NKC=NKC)
         _sel_bwd_reduce_kernel[(triton.cdiv(NT, 32), H)](dk_part, dv_part, dk_sum, dv_sum, pos, seg_c0, seg_c1, NT,

@@ -117,7 +117,7 @@ def test_key_path_token_windows_match_reference(path, monkeypatch):
     """More partial rows than KEY_WINDOW_ROWS: the key path runs window by window (7 tokens here, so windows cut the
     sequences; then two sub-blocks per block), and o, every gradient and dgate still match the reference."""
     monkeypatch.setattr(sel_kernel, "KEY_WINDOW_ROWS", 7 * 4 * 3)             # HQ * n = 12 rows per token
-    assert sel_kernel._windows(57, 4, 3, 1)[-2:] == [(49, 56), (56, 57)]
+    assert sel_kernel._windows(57, 4, 3, 1) == ([(t, t + 7) for t in range(0, 56, 7)] + [(56, 57)], 7 * 4 * 3)
     cu = torch.tensor([0, 20, 57], dtype=torch.int32)
     out, ref = run_both(1, 57, 4, 2, 32, 32, 3, 16, torch.float32, seed=40, cu_seqlens=cu, gated=True)
     out2, ref2 = run_both(2, 30, 2, 1, 160, 32, 3, 64, torch.float32, seed=41)   # 7 tokens a window again
