@@ -669,17 +669,22 @@ def layer_sweep(trained):
         lse = cmp(q, kc, vc)[1]
     cmp_f, cmp_fb = fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc)
     win_f, win_fb = fwd_bwd(win, q, kw, vw)
-    ops = {"fwd": [("cmp fwd", cmp_f), ("win fwd", win_f)], "dq": [("cmp fwd+bwd", cmp_fb), ("win fwd+bwd", win_fb)],
-           "select": [("select", lambda: select(q, kc, lse))]}
-    ops["dkv"] = ops["dq"]
-    grid = {"fwd": [dict(M=m, BN=n, num_warps=w, num_stages=s) for m, n, w, s in
-                    ((128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2))],
-            "dq": [dict(M=m, BN=n, num_warps=w, num_stages=s) for m, n, w, s in
-                   ((128, 64, 8, 2), (128, 32, 4, 2), (128, 64, 4, 3), (64, 64, 4, 2))],
-            "dkv": [dict(M=m, BN=n, num_warps=w, num_stages=s) for m, n, w, s in
-                    ((64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 2))],
-            "select": [dict(M=m, num_warps=w, num_stages=s) for m, w, s in
-                       ((128, 8, 2), (128, 4, 2), (64, 4, 2), (256, 8, 2), (128, 8, 3))]}
+    # the CONFIG entry each kernel takes at this G (its *_small_g one where it has one)
+    entry = {name: nsa_kernels.launch_entry(name, hq // H) for name in ("fwd", "dq", "dkv", "select")}
+    ops = {entry["fwd"]: [("cmp fwd", cmp_f), ("win fwd", win_f)],
+           entry["dq"]: [("cmp fwd+bwd", cmp_fb), ("win fwd+bwd", win_fb)],
+           entry["select"]: [("select", lambda: select(q, kc, lse))]}
+    ops[entry["dkv"]] = ops[entry["dq"]]
+    grid = {entry["fwd"]: [dict(M=m, BN=n, num_warps=w, num_stages=s) for m, n, w, s in
+                           ((128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2))],
+            entry["dq"]: [dict(M=m, BN=n, num_warps=w, num_stages=s) for m, n, w, s in
+                          ((128, 64, 8, 2), (128, 32, 4, 2), (128, 64, 4, 3), (64, 64, 4, 2))],
+            entry["dkv"]: [dict(M=m, BN=n, num_warps=w, num_stages=s) for m, n, w, s in
+                           ((64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 2))],
+            entry["select"]: [dict(keys_major=False, M=m, num_warps=w, num_stages=2) for m, w in
+                              ((256, 8), (128, 8), (128, 4))] +
+                             [dict(keys_major=True, tokens=t, num_warps=w, num_stages=s) for t, w, s in
+                              ((16, 4, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3), (32, 8, 2))]}
     sweep_configs(f"layer sweep T={T} HQ={hq}: ms of each op under each config of one kernel", nsa_kernels.CONFIG,
                   grid, ops)
 

@@ -29,13 +29,19 @@ import triton
 import triton.language as tl
 
 # launch parameters: M = query rows (whole tokens x their G heads, packed) per program, BN = keys per step; picked on
-# one H100 by bench.py's layer-mode sweep (T = 65536, HQ = 64, H = 4, D = 128, bf16)
+# one H100 by bench.py's layer-mode sweep at T = 65536, HQ = 64 (G = 16), H = 4, D = 128, bf16. For G < SMALL_G the
+# "*_small_g" entries replace them (the same sweep at HQ = 16 and at Track B's shape, G = 3). "select": keys_major
+# holds the scores as [compressed keys, query rows], which measured faster at G = 1..4 (there sized by tokens per
+# program) and slower at G = 16.
 CONFIG = {
     "fwd": dict(M=128, BN=64, num_warps=4, num_stages=2),
+    "fwd_small_g": dict(M=128, BN=64, num_warps=8, num_stages=3),
     "dq": dict(M=128, BN=64, num_warps=8, num_stages=2),
     "dkv": dict(M=128, BN=64, num_warps=8, num_stages=2),
-    "select": dict(M=256, num_warps=8, num_stages=2),
+    "select": dict(M=256, keys_major=False, num_warps=8, num_stages=2),
+    "select_small_g": dict(tokens=32, keys_major=True, num_warps=4, num_stages=2),  # tokens per program, >= 64 rows
 }
+SMALL_G = 8
 DKV_CHUNK = 512  # compressed dk/dv: fewest tokens per query chunk (the grid aims at >= 2048 programs)
 # launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
 # keys per tile, window_keys = ring slots per window program, score_blocks = selection blocks per score program,
@@ -456,11 +462,18 @@ def _sort_rows(x, DESC: tl.constexpr, LOG_N: tl.constexpr, N_DIMS: tl.constexpr,
 
 
 @triton.jit
+def _overlap(start, block, L: tl.constexpr, LS: tl.constexpr, DS: tl.constexpr):
+    """Eq. 9's weights: tokens shared by the compressed block at `start` (L tokens) and the selection block at
+    `block` (LS tokens), in units of the stride DS (broadcasts)."""
+    return tl.maximum(tl.minimum(start + L, block + LS) - tl.maximum(start, block), 0).to(tl.float32) / DS
+
+
+@triton.jit
 def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.constexpr, SEQ_T, SEQ_TK,
                    H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
                    D: tl.constexpr, BD: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LS: tl.constexpr,
                    NS: tl.constexpr, NP: tl.constexpr, BKC: tl.constexpr, N_INIT: tl.constexpr,
-                   N_LOCAL: tl.constexpr, LOG_NP: tl.constexpr, N_DIMS: tl.constexpr):
+                   N_LOCAL: tl.constexpr, LOG_NP: tl.constexpr, N_DIMS: tl.constexpr, KEYS_MAJOR: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     M: tl.constexpr = BT * BG
     CPS: tl.constexpr = LS // DS                          # compressed blocks starting in one selection block
@@ -500,22 +513,30 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
             m_c = (o_c < NP * CPS) & (ic < n_c)
             k_off = (c_bos + ic).to(tl.int64) * H + i_h
             b_k = load_rows(k, k_off, m_c, D, BD)                                         # [BKC, BD]
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                                 # [M, BKC]
-            vis = m_rs[:, None] & m_c[None, :] & (ic[None, :] * DS + L - 1 <= pos_r[:, None])
-            b_p = tl.where(vis, tl.exp2(b_s - b_lse[:, None]), 0.)                        # Eq. 8
-            b_pg = tl.sum(tl.reshape(b_p, [BT, BG, BKC]), 1)                              # [BT, BKC] Eq. 10
-            st = ic * DS                                                                  # block starts
-            js = (j0 + o_j) * LS
-            w = tl.minimum(st[:, None] + L, js[None, :] + LS) - tl.maximum(st[:, None], js[None, :])
-            w = tl.maximum(w, 0).to(tl.float32) / DS                                      # [BKC, NP] Eq. 9
-            if BT >= 16:
-                b_sc = tl.dot(b_pg, w, input_precision="ieee")                            # [BT, NP]
+            st = ic * DS                                                                  # [BKC] starts
+            js = (j0 + o_j) * LS                                                          # [NP] block starts
+            spill_w = _overlap(st, (j0 + NP) * LS, L, LS, DS)     # [BKC] weights into the next chunk's first block
+            if KEYS_MAJOR:                                # compressed keys on the score tile's rows
+                b_s = tl.dot(b_k, tl.trans(b_q)) * scale_log2                             # [BKC, M]
+                vis = m_rs[None, :] & m_c[:, None] & (ic[:, None] * DS + L - 1 <= pos_r[None, :])
+                b_p = tl.where(vis, tl.exp2(b_s - b_lse[None, :]), 0.)                    # Eq. 8
+                b_pg = tl.sum(tl.reshape(b_p, [BKC, BT, BG]), 2)                          # [BKC, BT] Eq. 10
+                w = _overlap(st[None, :], js[:, None], L, LS, DS)                         # [NP, BKC] Eq. 9
+                b_sc = tl.trans(tl.dot(w, b_pg, input_precision="tf32x3"))                # [BT, NP]
+                spill = tl.sum(b_pg * spill_w[:, None], 0)
             else:
-                b_sc = tl.sum(b_pg[:, :, None] * w[None, :, :], 1)
-            nxt = (j0 + NP) * LS
-            w2 = tl.maximum(tl.minimum(st + L, nxt + LS) - tl.maximum(st, nxt), 0).to(tl.float32) / DS
+                b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                             # [M, BKC]
+                vis = m_rs[:, None] & m_c[None, :] & (ic[None, :] * DS + L - 1 <= pos_r[:, None])
+                b_p = tl.where(vis, tl.exp2(b_s - b_lse[:, None]), 0.)                    # Eq. 8
+                b_pg = tl.sum(tl.reshape(b_p, [BT, BG, BKC]), 1)                          # [BT, BKC] Eq. 10
+                w = _overlap(st[:, None], js[None, :], L, LS, DS)                         # [BKC, NP] Eq. 9
+                if BT >= 16:
+                    b_sc = tl.dot(b_pg, w, input_precision="ieee")                        # [BT, NP]
+                else:
+                    b_sc = tl.sum(b_pg[:, :, None] * w[None, :, :], 1)
+                spill = tl.sum(b_pg * spill_w[None, :], 1)
             b_sc = tl.where(o_j[None, :] == 0, b_sc + carry[:, None], b_sc)
-            carry = tl.sum(b_pg * w2[None, :], 1)
+            carry = spill
             jj = j0 + o_j                                                                 # [NP] block ids
             cand = m_bs[:, None] & (jj[None, :] <= tb[:, None])
             forced = (jj[None, :] < N_INIT) | (jj[None, :] > tb[:, None] - N_LOCAL)
@@ -759,10 +780,16 @@ def _sizes(q, k, v, rows):
     return dict(c, M=M), M // c["G"]
 
 
-def _launch_cfg(name, width):
-    """(M, launch kwargs) for a kernel; heads wider than 128 halve the tiles so they fit in shared memory."""
-    c = dict(CONFIG[name])
-    M = c.pop("M")
+def launch_entry(name, G):
+    """The CONFIG entry kernel `name` launches with at G query heads per kv head."""
+    return f"{name}_small_g" if G < SMALL_G and f"{name}_small_g" in CONFIG else name
+
+
+def _launch_cfg(name, width, G):
+    """(M, launch kwargs) for a kernel at G query heads per kv head; heads wider than 128 halve the tiles so they fit
+    in shared memory."""
+    c = dict(CONFIG[launch_entry(name, G)])
+    M = c.pop("M", 0)
     if width > 128:
         M = max(16, M // 2)
         if "BN" in c:
@@ -778,7 +805,7 @@ def _range_fwd(q, k, v, gate, geo, lo, hi, scale):
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
     if NT == 0:
         return o, lse
-    M, launch = _launch_cfg("fwd", max(q.shape[2], v.shape[2]))
+    M, launch = _launch_cfg("fwd", max(q.shape[2], v.shape[2]), q.shape[1] // k.shape[1])
     c, BT = _sizes(q, k, v, M)
     _range_fwd_kernel[(triton.cdiv(NT, BT), c["H"])](q, k, v, o, lse, gate, lo, hi, scale * math.log2(math.e), NT,
                                                           **geo, **c, **launch, GATED=gate is not None)
@@ -796,13 +823,13 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale, n_chunks
     lse = gated_lse(lse, gate, torch.log)
     sl2 = scale * math.log2(math.e)
     if NT > 0:
-        M, launch = _launch_cfg("dq", max(q.shape[2], v.shape[2]))
+        M, launch = _launch_cfg("dq", max(q.shape[2], v.shape[2]), q.shape[1] // k.shape[1])
         c, BT = _sizes(q, k, v, M)
         _range_bwd_dq_kernel[(triton.cdiv(NT, BT), c["H"])](q, k, v, o, do, lse, delta, dq, gate, lo, hi, sl2,
                                                                  scale, NT, **geo, **c, **launch,
                                                                  GATED=gate is not None)
     if NK > 0 and NT > 0:
-        M, launch = _launch_cfg("dkv", max(q.shape[2], v.shape[2]))
+        M, launch = _launch_cfg("dkv", max(q.shape[2], v.shape[2]), q.shape[1] // k.shape[1])
         c, BT = _sizes(q, k, v, M)
         qch = triton.cdiv(triton.cdiv(NT, n_chunks), BT) * BT
         nqc = triton.cdiv(NT, qch)
@@ -862,10 +889,11 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
     else:
         _, seq, pos = sequences(B, T, cu_seqlens, q.device)
         seq, pos, cu_c = _i32(seq, pos, cu_seqlens_cmp)
-    M, launch = _launch_cfg("select", D)
     c = head_sizes(HQ, H, D, D)
+    M, launch = _launch_cfg("select", D, c["G"])
+    keys_major, tokens = launch.pop("keys_major"), launch.pop("tokens", 0)
     BG = triton.next_power_of_2(c["G"])                   # padded rows: the kernel sums a token's heads by reshape
-    BT = max(1, M // BG)
+    BT = min(256, max(64, tokens * BG)) // BG if keys_major else max(1, M // BG)   # 64..256 rows (512 gave wrong ids)
     NP = max(16, triton.next_power_of_2(n_select))
     BKC = max(16, triton.next_power_of_2(NP * (sel_block // cmp_stride)))
     _select_kernel[(triton.cdiv(B * T, BT), H)](
@@ -873,7 +901,7 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
         VARLEN=cu_seqlens is not None, SEQ_T=T, SEQ_TK=Tc,
         H=H, G=c["G"], BG=BG, BT=BT, D=D, BD=c["BD"], L=cmp_block, DS=cmp_stride, LS=sel_block,
         NS=n_select, NP=NP, BKC=BKC, N_INIT=n_init, N_LOCAL=n_local, LOG_NP=int(math.log2(NP)),
-        N_DIMS=int(math.log2(NP * BT)), **launch)
+        N_DIMS=int(math.log2(NP * BT)), KEYS_MAJOR=keys_major, **launch)
     return idx.view(B, T, H, n_select)
 
 

@@ -239,6 +239,18 @@ def test_select_blocks_forced_padding_and_own_lse():
     assert (idx[0, :lsel, :, 1:] == -1).all()                                  # one candidate: -1 padded
 
 
+@pytest.mark.parametrize("keys_major", (False, True))
+@pytest.mark.parametrize("G", (1, 3, 8))
+def test_select_blocks_both_layouts(monkeypatch, keys_major, G):
+    """The score tile as [query rows, keys] and as [keys, query rows] (CONFIG picks one by G), each at small and large
+    G, var-length, against the reference."""
+    monkeypatch.setattr(nk, "SMALL_G", 0)                                    # every G takes CONFIG["select"]
+    monkeypatch.setitem(nk.CONFIG, "select", dict(nk.CONFIG["select"], keys_major=keys_major, tokens=16))
+    cu = torch.tensor([0, 70, 190], dtype=torch.int32)
+    idx, ref = run_sel(1, 190, 2 * G, 2, 32, 8, 4, 16, 4, 1, 2, seed=G, cu=cu)
+    assert torch.equal(idx, ref), f"{(idx != ref).any(-1).sum().item()} of {idx[..., 0].numel()} rows differ"
+
+
 def test_select_blocks_varlen():
     cu = torch.tensor([0, 6, 6, 70, 150], dtype=torch.int32)
     idx, ref = run_sel(1, 150, 4, 2, 32, 8, 4, 16, 3, 1, 1, seed=6, cu=cu)
