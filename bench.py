@@ -665,10 +665,11 @@ def layer_sweep(trained):
     T, hq = max(layer_seqlens), layer_hq[0]
     cmp, select, slc, win, mix, core = layer_parts("triton")
     q, kc, vc, ks, vs, kw, vw, gl = layer_inputs(T, hq, trained)
+    g = torch.softmax(gl.float(), dim=-1)                                      # gated, as the layer runs them
     with torch.no_grad():
         lse = cmp(q, kc, vc)[1]
-    cmp_f, cmp_fb = fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc)
-    win_f, win_fb = fwd_bwd(win, q, kw, vw)
+    cmp_f, cmp_fb = fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc, g[..., 0])
+    win_f, win_fb = fwd_bwd(win, q, kw, vw, g[..., 2])
     # the CONFIG entry each kernel takes at this G (its *_small_g one where it has one)
     entry = {name: nsa_kernels.launch_entry(name, hq // H) for name in ("fwd", "dq", "dkv", "select")}
     ops = {entry["fwd"]: [("cmp fwd", cmp_f), ("win fwd", win_f)],

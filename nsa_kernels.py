@@ -30,12 +30,12 @@ import triton.language as tl
 
 # launch parameters: M = query rows (whole tokens x their G heads, packed) per program, BN = keys per step; picked on
 # one H100 by bench.py's layer-mode sweep at T = 65536, HQ = 64 (G = 16), H = 4, D = 128, bf16. For G < SMALL_G the
-# "*_small_g" entries replace them (the same sweep at HQ = 16 and at Track B's shape, G = 3, T = 8192). keys_major
+# "*_small_g" entries replace them (the same sweep, gated, at HQ = 16 and at Track B's shape, T = 8192). keys_major
 # ("select") holds the scores as [compressed keys, query rows]: faster at G = 1..4 (sized there by tokens per
 # program), slower at G = 16.
 CONFIG = {
     "fwd": dict(M=128, BN=64, num_warps=4, num_stages=2),
-    "fwd_small_g": dict(M=128, BN=64, num_warps=8, num_stages=3),
+    "fwd_small_g": dict(M=64, BN=64, num_warps=4, num_stages=2),
     "dq": dict(M=128, BN=64, num_warps=8, num_stages=2),
     "dq_small_g": dict(M=64, BN=64, num_warps=4, num_stages=2),
     "dkv": dict(M=128, BN=64, num_warps=8, num_stages=2),
