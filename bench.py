@@ -660,17 +660,16 @@ def run_layer():
 
 
 def layer_sweep(trained):
-    """Launch configs of nsa_kernels.py's kernels at the largest T (first HQ): each variant of one kernel, others at
-    default."""
+    """Launch configs of nsa_kernels.py's kernels at the largest T (first HQ): each variant of one kernel (of the
+    CONFIG entry this G takes), others at default; the branches run gated, as in the layer."""
     T, hq = max(layer_seqlens), layer_hq[0]
     cmp, select, slc, win, mix, core = layer_parts("triton")
     q, kc, vc, ks, vs, kw, vw, gl = layer_inputs(T, hq, trained)
-    g = torch.softmax(gl.float(), dim=-1)                                      # gated, as the layer runs them
+    g = torch.softmax(gl.float(), dim=-1)                                      # (B, T, HQ, 3)
     with torch.no_grad():
         lse = cmp(q, kc, vc)[1]
     cmp_f, cmp_fb = fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc, g[..., 0])
     win_f, win_fb = fwd_bwd(win, q, kw, vw, g[..., 2])
-    # the CONFIG entry each kernel takes at this G (its *_small_g one where it has one)
     entry = {name: nsa_kernels.launch_entry(name, hq // H) for name in ("fwd", "dq", "dkv", "select")}
     ops = {entry["fwd"]: [("cmp fwd", cmp_f), ("win fwd", win_f)],
            entry["dq"]: [("cmp fwd+bwd", cmp_fb), ("win fwd+bwd", win_fb)],
