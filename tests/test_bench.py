@@ -212,3 +212,31 @@ def test_captured_replay_matches_eager(bench):
     replay()
     want = fb()
     assert len(want) == 8 and all(torch.equal(a, b) for a, b in zip(got["grads"], want))
+
+
+@pytest.mark.parametrize("hq", (4, 64))
+def test_layer_sweep_varies_the_entries_its_g_takes(bench, monkeypatch, capsys, hq):
+    """At G < nsa_kernels.SMALL_G the layer sweep varies the *_small_g entries that the kernels then read, else the
+    others; the branches are timed with their gate; CONFIG is as before afterwards."""
+    import nsa_kernels
+    before = {k: dict(v) for k, v in nsa_kernels.CONFIG.items()}
+    changed, n_inputs = set(), []
+
+    def part(*args):  # what a kernel would read
+        changed.update(k for k, v in nsa_kernels.CONFIG.items() if v != before[k])
+        return None, None
+
+    def fwd_bwd(f, *inputs):
+        n_inputs.append(len(inputs))
+        return part, part
+
+    monkeypatch.setattr(bench, "layer_inputs", lambda T, hq, trained=None: [torch.zeros(3)] * 8)
+    monkeypatch.setattr(bench, "layer_parts", lambda be: (part,) * 6)
+    monkeypatch.setattr(bench, "fwd_bwd", fwd_bwd)
+    monkeypatch.setattr(bench, "layer_hq", (hq,))
+    bench.layer_sweep(None)
+    small = hq // bench.H < nsa_kernels.SMALL_G
+    assert changed == ({"fwd_small_g", "dq_small_g", "dkv", "select_small_g"} if small else
+                       {"fwd", "dq", "dkv", "select"})
+    assert n_inputs == [4, 4]                                                 # q, k, v and the gate
+    assert nsa_kernels.CONFIG == before and "failed" not in capsys.readouterr().out
