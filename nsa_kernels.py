@@ -892,9 +892,11 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
         seq, pos, cu_c = _i32(seq, pos, cu_seqlens_cmp)
     c = head_sizes(HQ, H, D, D)
     M, launch = _launch_cfg("select", D, c["G"])
-    keys_major, tokens = launch.pop("keys_major"), launch.pop("tokens", 0)
     BG = triton.next_power_of_2(c["G"])                   # padded rows: the kernel sums a token's heads by reshape
-    BT = min(256, max(64, tokens * BG)) // BG if keys_major else max(1, M // BG)   # 64..256 rows (512 gave wrong ids)
+    tokens = launch.pop("tokens", 0)
+    # keys-major tiles: 64..256 rows (512 gave wrong ids on triton 3.6) of at least 16 tokens (its Eq. 9 dot)
+    keys_major = launch.pop("keys_major") and BG <= 16
+    BT = min(256, max(64, tokens * BG)) // BG if keys_major else max(1, M // BG)
     NP = max(16, triton.next_power_of_2(n_select))
     BKC = max(16, triton.next_power_of_2(NP * (sel_block // cmp_stride)))
     _select_kernel[(triton.cdiv(B * T, BT), H)](

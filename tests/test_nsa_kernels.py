@@ -240,10 +240,10 @@ def test_select_blocks_forced_padding_and_own_lse():
 
 
 @pytest.mark.parametrize("keys_major", (False, True))
-@pytest.mark.parametrize("G", (1, 3, 8))
+@pytest.mark.parametrize("G", (1, 3, 8, 20))
 def test_select_blocks_both_layouts(monkeypatch, keys_major, G):
     """The score tile as [query rows, keys] and as [keys, query rows] (CONFIG picks one by G), each at small and large
-    G, var-length, against the reference."""
+    G, var-length, against the reference (G = 20 takes [query rows, keys] either way: too few tokens per tile)."""
     monkeypatch.setattr(nk, "SMALL_G", 0)                                    # every G takes CONFIG["select"]
     monkeypatch.setitem(nk.CONFIG, "select", dict(nk.CONFIG["select"], keys_major=keys_major, tokens=16))
     cu = torch.tensor([0, 70, 190], dtype=torch.int32)
