@@ -787,10 +787,11 @@ def launch_entry(name, G):
     return f"{name}_small_g" if G < SMALL_G and f"{name}_small_g" in CONFIG else name
 
 
-def _launch_cfg(name, width, G):
-    """(M, launch kwargs) for a kernel at G query heads per kv head; heads wider than 128 halve the tiles so they fit
-    in shared memory."""
-    c = dict(CONFIG[launch_entry(name, G)])
+def _launch_cfg(name, q, k, v):
+    """(M, launch kwargs) for a kernel on q (..., HQ, D), k (..., H, D), v (..., H, Dv): the CONFIG entry of its
+    G = HQ / H; heads wider than 128 halve the tiles so they fit in shared memory."""
+    c = dict(CONFIG[launch_entry(name, q.shape[-2] // k.shape[-2])])
+    width = max(q.shape[-1], v.shape[-1])
     M = c.pop("M", 0)
     if width > 128:
         M = max(16, M // 2)
@@ -807,7 +808,7 @@ def _range_fwd(q, k, v, gate, geo, lo, hi, scale):
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
     if NT == 0:
         return o, lse
-    M, launch = _launch_cfg("fwd", max(q.shape[2], v.shape[2]), q.shape[1] // k.shape[1])
+    M, launch = _launch_cfg("fwd", q, k, v)
     c, BT = _sizes(q, k, v, M)
     _range_fwd_kernel[(triton.cdiv(NT, BT), c["H"])](q, k, v, o, lse, gate, lo, hi, scale * math.log2(math.e), NT,
                                                           **geo, **c, **launch, GATED=gate is not None)
@@ -825,13 +826,13 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale, n_chunks
     lse = gated_lse(lse, gate, torch.log)
     sl2 = scale * math.log2(math.e)
     if NT > 0:
-        M, launch = _launch_cfg("dq", max(q.shape[2], v.shape[2]), q.shape[1] // k.shape[1])
+        M, launch = _launch_cfg("dq", q, k, v)
         c, BT = _sizes(q, k, v, M)
         _range_bwd_dq_kernel[(triton.cdiv(NT, BT), c["H"])](q, k, v, o, do, lse, delta, dq, gate, lo, hi, sl2,
                                                                  scale, NT, **geo, **c, **launch,
                                                                  GATED=gate is not None)
     if NK > 0 and NT > 0:
-        M, launch = _launch_cfg("dkv", max(q.shape[2], v.shape[2]), q.shape[1] // k.shape[1])
+        M, launch = _launch_cfg("dkv", q, k, v)
         c, BT = _sizes(q, k, v, M)
         qch = triton.cdiv(triton.cdiv(NT, n_chunks), BT) * BT
         nqc = triton.cdiv(NT, qch)
@@ -892,7 +893,7 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
         _, seq, pos = sequences(B, T, cu_seqlens, q.device)
         seq, pos, cu_c = _i32(seq, pos, cu_seqlens_cmp)
     c = head_sizes(HQ, H, D, D)
-    M, launch = _launch_cfg("select", D, c["G"])
+    M, launch = _launch_cfg("select", q, k_cmp, k_cmp)
     BG = triton.next_power_of_2(c["G"])                   # padded rows: the kernel sums a token's heads by reshape
     tokens = launch.pop("tokens", 0)
     # keys-major tiles: 64..256 rows (512 gave wrong ids on triton 3.6) of at least 16 tokens (its Eq. 9 dot)
