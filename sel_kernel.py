@@ -19,9 +19,9 @@ from nsa_kernels import (attention_op, gate_delta, gate_grad, gate_out, gated_ls
 #   selected key block once for the whole group (paper Fig. 3, group-centric loading).
 # - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
 #   builds the reverse index (which (token, slot) pairs selected each block, tokens ascending) in O(NT*H*n) memory;
-#   each list is cut into chunks of CHUNK_ROWS query rows so block 0 (selected by every token) does not serialise the
-#   launch; each chunk writes an fp32 partial dK/dV tile and a reduction kernel adds a block's partials in chunk
-#   order. No atomics.
+#   each list is cut into chunks of CONFIG's chunk_rows query rows so block 0 (selected by every token) does not
+#   serialise the launch; each chunk writes an fp32 partial dK/dV tile and a reduction kernel adds a block's
+#   partials in chunk order. No atomics.
 # - CONFIG["path"] = "key" (or "auto" at small G): a key-centric forward instead (its own section), whose backward is
 #   the dk/dv kernel writing dq partials too (no query-centric dq pass). Its per-pair partials are held for one token
 #   window at a time (KEY_WINDOW_ROWS): each window gets the reverse index of its own pairs, and dk/dv add up over
@@ -29,19 +29,20 @@ from nsa_kernels import (attention_op, gate_delta, gate_grad, gate_out, gated_ls
 # - ids are cleaned once on the host side (torch ops, no sync): out of [0, t // l'] or repeated -> -1.
 # The file reads: inner loops -> kernels -> host launchers (_fwd, _bwd) -> ops -> selection_attention_triton.
 
-CHUNK_ROWS = 16384  # query rows (tokens x G) per dk/dv work item; scratch is (T*H*n*G / CHUNK_ROWS + blocks) tiles
 KEY_WINDOW_ROWS = 2 ** 22  # key path: per-pair partial rows (token x query head x slot x sub-block) held at once;
 #                            more tokens run in token windows of this many rows (1 GiB of bf16 partials at Dv = 128)
 # launch parameters per kernel, picked on one H100 with bench.py's launch sweep (which may override them);
 # rows: query rows M per program (a power of 2, at least 16 for tl.dot; M // G whole tokens or pairs, one group at
-# least); union: a tile of several tokens loads a block listed by several of them once
+# least); union: a tile of several tokens loads a block listed by several of them once; chunk_rows: query rows
+# (tokens x G) per work item of the block-centric kernels (scratch: T*H*n*G / chunk_rows + blocks tiles)
 CONFIG = {
     "fwd": dict(rows=16, union=False, num_warps=4, num_stages=2),
     "dq": dict(rows=16, union=False, num_warps=2, num_stages=2),
-    "dkv": dict(rows=64, num_warps=4, num_stages=3),
+    "dkv": dict(rows=64, chunk_rows=16384, num_warps=4, num_stages=3),
     "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by shape
-    "key_fwd": dict(rows=128, chunk_rows=2048, num_warps=4, num_stages=2),  # chunk_rows: query rows per program
-    "key_bwd": dict(rows=128, num_warps=8, num_stages=3),  # the dk/dv kernel on the key path (dq partials too)
+    "key_fwd": dict(rows=128, chunk_rows=2048, num_warps=4, num_stages=2),
+    "key_bwd": dict(rows=128, chunk_rows=8192, num_warps=8, num_stages=3),  # dk/dv on the key path (dq partials too)
+    "key_sum": dict(rows=8, num_warps=4),  # the merge of a token's o partials and the sum of its dq partials
 }
 KEY_MAX_G = 4          # "auto" takes the key-centric path for G = HQ / H up to this (RESULTS.md, "Selection paths") ...
 KEY_MIN_TOKENS = 4096  # ... and at least this many packed tokens (below, the reverse-index sort and launches show)
@@ -333,53 +334,54 @@ def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, rev, c_begin, c_end, c_key, p
 
 
 @triton.jit
-def _window_tile(i_t, i_h, T0, T1, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr):
-    """Tile i_t of the window's tokens [T0, T1) x the G heads of kv head i_h: the tokens and their mask, then as
-    tile_rows the row mask, token offsets and query heads, and each row's first partial row ((token in the window,
-    query head) of the (token, query head, slot, sub-block) layout)."""
+def _token_partials(idx, T0, T1, i_t, i_h, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, NS: tl.constexpr,
+                    NKC: tl.constexpr, BP: tl.constexpr):
+    """Tile i_t of the window's tokens [T0, T1) x the G heads of kv head i_h, as tile_rows (row mask, token offsets,
+    query heads), and each row's partials: their rows [M, BP] of the (token in the window, query head, slot,
+    sub-block) layout, contiguous per row, and which of them were written (the slot's id is used)."""
     p_r, g_r, m_g = group_rows(M, G)
     t_r = T0 + i_t * (M // G) + p_r                                         # [M] tokens
     m_t = m_g & (t_r < T1)
     m_r, t_off, hq_r = tile_rows(t_r, g_r, m_t, i_h, H, G)
-    return t_r, m_t, m_r, t_off, hq_r, (t_r - T0).to(tl.int64) * (H * G) + hq_r
+    o_p = tl.arange(0, BP)                                                  # [BP] partial = slot * NKC + sub-block
+    m_p = m_t[:, None] & (o_p < NS * NKC)[None, :]
+    used = tl.load(idx + (t_r.to(tl.int64) * H + i_h)[:, None] * NS + (o_p // NKC)[None, :], mask=m_p, other=-1) >= 0
+    rows = ((t_r - T0).to(tl.int64) * (H * G) + hq_r)[:, None] * (NS * NKC) + o_p[None, :]
+    return m_r, t_off, hq_r, rows, m_r[:, None] & used
+
+
+@triton.jit
+def _load_partials(ptr, rows, m_p, D: tl.constexpr, BD: tl.constexpr):
+    """[M, BP, BD] fp32: the partial rows `rows` [M, BP] of a row-major (..., D) array, 0 where m_p is false."""
+    o_d = tl.arange(0, BD)
+    return tl.load(ptr + rows[:, :, None] * D + o_d[None, None, :],
+                   mask=m_p[:, :, None] & (o_d < D)[None, None, :], other=0.).to(tl.float32)
 
 
 @triton.jit
 def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, gate, T0, T1, H: tl.constexpr, G: tl.constexpr,
                           M: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, NS: tl.constexpr, NKC: tl.constexpr,
-                          GATED: tl.constexpr):
-    """o = sum_s 2^(lse_s - lse) o_s (times the gate) and lse = log2 sum_s 2^lse_s over a token's partials, in
-    (slot, sub-block) order: the online-softmax step with each partial as one key of score lse_s and value o_s."""
+                          BP: tl.constexpr, GATED: tl.constexpr):
+    """o = sum_s 2^(lse_s - lse) o_s (times the gate) and lse = log2 sum_s 2^lse_s over a token's partials: one
+    softmax step with each partial as a key of score lse_s and value o_s (all of a row's partials loaded at once,
+    summed in a fixed order)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    t_r, m_t, m_r, t_off, hq_r, w_row = _window_tile(i_t, i_h, T0, T1, H, G, M)
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, BDV], tl.float32)
-    for s in range(NS):
-        m_v = m_r & (tl.load(idx + (t_r.to(tl.int64) * H + i_h) * NS + s, mask=m_t, other=-1) >= 0)  # slot s used
-        for kc in tl.static_range(NKC):
-            row = (w_row * NS + s) * NKC + kc
-            b_lse = tl.load(lse_part + row, mask=m_v, other=float("-inf"))
-            m_i, alpha, b_w = softmax_rescale(b_lse[:, None], m_i)           # b_w [M, 1]: the partial's weight
-            acc = acc * alpha[:, None] + load_rows(o_part, row, m_v, DV, BDV) * b_w       # [M, BDV]
-            l_i = l_i * alpha + tl.sum(b_w, 1)
-    b_o, b_lse = softmax_finish(m_i, l_i, acc)
+    m_r, t_off, hq_r, rows, m_p = _token_partials(idx, T0, T1, i_t, i_h, H, G, M, NS, NKC, BP)
+    b_lse = tl.load(lse_part + rows, mask=m_p, other=float("-inf"))         # [M, BP]
+    m_i, _, b_w = softmax_rescale(b_lse, tl.full([M], float("-inf"), tl.float32))    # b_w [M, BP]: weights
+    acc = tl.sum(_load_partials(o_part, rows, m_p, DV, BDV) * b_w[:, :, None], 1)   # [M, BDV]
+    b_o, b_lse = softmax_finish(m_i, tl.sum(b_w, 1), acc)
     store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate, t_off + hq_r, m_r, GATED), DV, BDV)
     tl.store(lse + t_off + hq_r, b_lse, mask=m_r)
 
 
 @triton.jit
 def _sel_key_dq_kernel(dq_part, idx, dq, T0, T1, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
-                       BD: tl.constexpr, NS: tl.constexpr, NKC: tl.constexpr):
-    """dq of each token = its dq partials summed in (slot, sub-block) order."""
+                       BD: tl.constexpr, NS: tl.constexpr, NKC: tl.constexpr, BP: tl.constexpr):
+    """dq of each token = the sum of its dq partials (all loaded at once, summed in a fixed order)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    t_r, m_t, m_r, t_off, hq_r, w_row = _window_tile(i_t, i_h, T0, T1, H, G, M)
-    b_dq = tl.zeros([M, BD], tl.float32)
-    for s in range(NS):
-        m_v = m_r & (tl.load(idx + (t_r.to(tl.int64) * H + i_h) * NS + s, mask=m_t, other=-1) >= 0)  # slot s used
-        for kc in tl.static_range(NKC):
-            b_dq += load_rows(dq_part, (w_row * NS + s) * NKC + kc, m_v, D, BD)
-    store_rows(dq, t_off + hq_r, m_r, b_dq, D, BD)
+    m_r, t_off, hq_r, rows, m_p = _token_partials(idx, T0, T1, i_t, i_h, H, G, M, NS, NKC, BP)
+    store_rows(dq, t_off + hq_r, m_r, tl.sum(_load_partials(dq_part, rows, m_p, D, BD), 1), D, BD)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -439,6 +441,12 @@ def _pair_tiles(rows, chunk_rows, G):
     return M, max(M // G, chunk_rows // G // (M // G) * (M // G))
 
 
+def _sum_launch(G, NS, NKC):
+    """Rows M of the merge and dq-sum kernels' tiles and their launch kwargs (BP: a row's partials, padded)."""
+    cfg = dict(CONFIG["key_sum"])
+    return tile_m(cfg.pop("rows"), G), dict(cfg, BP=triton.next_power_of_2(NS * NKC))
+
+
 def _windows(NT, HQ, NS, NKC):
     """The key path's token windows [t0, t1), at most KEY_WINDOW_ROWS partial rows each (one window while NT fits),
     and the partial rows of the largest (the rows its buffers need)."""
@@ -494,14 +502,14 @@ def _fwd_key(qf, kf, vf, gf, idx, pos, n_seq, c, NS, scale_log2):
     lse_part = torch.empty(rows, device=qf.device, dtype=torch.float32)
     o = torch.empty(NT, HQ, DV, device=qf.device, dtype=qf.dtype)
     lse = torch.empty(NT, HQ, device=qf.device, dtype=torch.float32)
-    M_merge = tile_m(32, c["G"])
+    M_sum, sum_cfg = _sum_launch(c["G"], NS, NKC)
     for t0, t1 in windows:
         rev, c_begin, c_end, c_key, _, _ = _reverse_index(idx[t0:t1], pos, t0, c["BS"], n_seq, chunk)
         _sel_key_fwd_kernel[(c_begin.numel(), NKC)](qf, kf, vf, o_part, lse_part, rev, c_begin, c_end, c_key, pos,
                                                     scale_log2, NT, t0, M=M, NKC=NKC, NS=NS, **c, **cfg)
-        _sel_key_merge_kernel[(triton.cdiv(t1 - t0, M_merge // c["G"]), c["H"])](
-            o_part, lse_part, idx, o, lse, gf, t0, t1, H=c["H"], G=c["G"], M=M_merge, DV=DV, BDV=c["BDV"], NS=NS,
-            NKC=NKC, GATED=gf is not None)
+        _sel_key_merge_kernel[(triton.cdiv(t1 - t0, M_sum // c["G"]), c["H"])](
+            o_part, lse_part, idx, o, lse, gf, t0, t1, H=c["H"], G=c["G"], M=M_sum, DV=DV, BDV=c["BDV"], NS=NS,
+            NKC=NKC, GATED=gf is not None, **sum_cfg)
     return o, lse
 
 
@@ -554,11 +562,11 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
                                                               UNION=union, **c, **cfg)
     cfg = dict(CONFIG["key_bwd" if key_path else "dkv"])
     c_kv, NKC = _key_tiles(c, sel_block)
-    M, chunk = _pair_tiles(cfg.pop("rows"), CHUNK_ROWS, c["G"])
+    M, chunk = _pair_tiles(cfg.pop("rows"), cfg.pop("chunk_rows"), c["G"])
     BSP = NKC * c_kv["BK"]
     windows, rows = _windows(NT, HQ, NS, NKC) if key_path else ([(0, NT)], 0)   # the query path: no per-pair partials
     dq_part = torch.empty(rows, D, device=q.device, dtype=q.dtype) if key_path else None
-    M_sum = tile_m(32, c["G"])                                                 # the dq-sum kernel's tile
+    M_sum, sum_cfg = _sum_launch(c["G"], NS, NKC)
     dk, dv = torch.empty_like(kf), torch.empty_like(vf)
     dk_sum, dv_sum = (dk, dv) if len(windows) == 1 else (torch.empty_like(kf, dtype=torch.float32),  # windows add
                                                           torch.empty_like(vf, dtype=torch.float32))  # up in fp32
@@ -572,7 +580,8 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
                                        WRITE_DQ=key_path, **c_kv, **cfg)
         if key_path:
             _sel_key_dq_kernel[(triton.cdiv(t1 - t0, M_sum // c["G"]), H)](dq_part, idx, dq, t0, t1, H=H, G=c["G"],
-                                                                          M=M_sum, D=D, BD=c["BD"], NS=NS, NKC=NKC)
+                                                                          M=M_sum, D=D, BD=c["BD"], NS=NS, NKC=NKC,
+                                                                          **sum_cfg)
         _sel_bwd_reduce_kernel[(triton.cdiv(NT, 32), H)](dk_part, dv_part, dk_sum, dv_sum, pos, seg_c0, seg_c1, NT,
                                                          H=H, D=D, DV=DV, BD=c["BD"], BDV=c["BDV"], BS=sel_block,
                                                          BSP=BSP, BR=32, ADD=t0 > 0)

@@ -58,8 +58,7 @@ def path(request, monkeypatch):
     monkeypatch.setitem(sel_kernel.CONFIG, "path", request.param)
     if request.param == "key" and not CUDA:
         monkeypatch.setitem(sel_kernel.CONFIG, "key_fwd", dict(sel_kernel.CONFIG["key_fwd"], rows=16, chunk_rows=32))
-        monkeypatch.setitem(sel_kernel.CONFIG, "key_bwd", dict(sel_kernel.CONFIG["key_bwd"], rows=16))
-        monkeypatch.setattr(sel_kernel, "CHUNK_ROWS", 32)
+        monkeypatch.setitem(sel_kernel.CONFIG, "key_bwd", dict(sel_kernel.CONFIG["key_bwd"], rows=16, chunk_rows=32))
     return request.param
 
 
