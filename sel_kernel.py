@@ -26,11 +26,11 @@ from nsa_kernels import (attention_op, gate_delta, gate_grad, gate_out, gated_ls
 #   the dk/dv kernel writing dq partials too (no query-centric dq pass). Its per-pair partials are held for one token
 #   window at a time (KEY_WINDOW_ROWS): each window gets the reverse index of its own pairs, and dk/dv add up over
 #   the windows in window order.
-# - ids are cleaned once on the host side (torch ops, no sync): out of [0, t // l'] or repeated -> -1.
+# - ids are cleaned once per op by a small kernel: out of [0, t // l'] or repeating an earlier slot's -> -1.
 # The file reads: inner loops -> kernels -> host launchers (_fwd, _bwd) -> ops -> selection_attention_triton.
 
-KEY_WINDOW_ROWS = 2 ** 22  # key path: per-pair partial rows (token x query head x slot x sub-block) held at once;
-#                            more tokens run in token windows of this many rows (1 GiB of bf16 partials at Dv = 128)
+KEY_WINDOW_ROWS = 2 ** 23  # key path: per-pair partial rows (token x query head x slot x sub-block) held at once;
+#                            more tokens run in token windows of this many rows (2 GiB of bf16 partials at Dv = 128)
 # launch parameters per kernel, picked on one H100 with bench.py's launch sweep (which may override them);
 # rows: query rows M per program (a power of 2, at least 16 for tl.dot; M // G whole tokens or pairs, one group at
 # least); union: a tile of several tokens loads a block listed by several of them once; chunk_rows: query rows
@@ -41,8 +41,8 @@ CONFIG = {
     "dkv": dict(rows=64, chunk_rows=16384, num_warps=4, num_stages=3),
     "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by shape
     "key_fwd": dict(rows=128, chunk_rows=2048, num_warps=4, num_stages=2),
-    "key_bwd": dict(rows=128, chunk_rows=8192, num_warps=8, num_stages=3),  # dk/dv on the key path (dq partials too)
-    "key_sum": dict(rows=8, num_warps=4),  # the merge of a token's o partials and the sum of its dq partials
+    "key_bwd": dict(rows=128, chunk_rows=4096, num_warps=8, num_stages=3),  # dk/dv on the key path (dq partials too)
+    "key_sum": dict(rows=16, num_warps=4),  # the merge of a token's o partials and the sum of its dq partials
 }
 KEY_MAX_G = 4          # "auto" takes the key-centric path for G = HQ / H up to this (RESULTS.md, "Selection paths") ...
 KEY_MIN_TOKENS = 4096  # ... and at least this many packed tokens (below, the reverse-index sort and launches show)
@@ -384,6 +384,21 @@ def _sel_key_dq_kernel(dq_part, idx, dq, T0, T1, H: tl.constexpr, G: tl.constexp
     store_rows(dq, t_off + hq_r, m_r, tl.sum(_load_partials(dq_part, rows, m_p, D, BD), 1), D, BD)
 
 
+@triton.jit
+def _clean_kernel(idx, out, pos, NR, H: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, BS: tl.constexpr,
+                  BR: tl.constexpr):
+    """BR rows (token, kv head) of ids: -1 where an id is outside [0, t // l'] or equals an earlier slot's."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)                            # [BR] rows
+    o_s = tl.arange(0, BNS)
+    m = (r < NR)[:, None] & (o_s < NS)[None, :]
+    ptrs = idx + r.to(tl.int64)[:, None] * NS + o_s[None, :]
+    j = tl.load(ptrs, mask=m, other=-1)                                     # [BR, BNS]
+    last = tl.load(pos + r // H, mask=r < NR, other=0) // BS                # [BR] the token's own block
+    earlier = (j[:, :, None] == j[:, None, :]) & (o_s[None, :, None] > o_s[None, None, :])   # [BR, BNS, BNS]
+    ok = (j >= 0) & (j <= last[:, None]) & (tl.max(earlier.to(tl.int32), 2) == 0)
+    tl.store(out + r.to(tl.int64)[:, None] * NS + o_s[None, :], tl.where(ok, j, -1), mask=m)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # host launchers (no host syncs: every size below comes from shapes, so torch.compile and CUDA graphs can capture them)
 
@@ -398,12 +413,14 @@ def _flat(q, k, v, block_indices, sel_block, cu_seqlens):
 
 
 def _clean_indices(idx, pos, sel_block):
-    """(NT, H, n) ids made valid and unique: ascending, ids outside [0, t // l'] and repeats -> -1 (the keys are a
-    union of blocks, so a repeated id counts once)."""
-    j = idx.sort(-1).values
-    ok = (j >= 0) & (j <= (pos // sel_block)[:, None, None])
-    ok[..., 1:] &= j[..., 1:] != j[..., :-1]
-    return torch.where(ok, j, -1)
+    """(NT, H, n) ids made valid and unique in place of each slot: ids outside [0, t // l'] and repeats of an earlier
+    slot's id -> -1 (the keys are a union of blocks, so a repeated id counts once)."""
+    NT, H, NS = idx.shape
+    out = torch.empty_like(idx)
+    if idx.numel():
+        _clean_kernel[(triton.cdiv(NT * H, 64),)](idx, out, pos, NT * H, H=H, NS=NS, BNS=triton.next_power_of_2(NS),
+                                                  BS=sel_block, BR=64)
+    return out
 
 
 def _sizes(q, k, v, block_indices, sel_block):

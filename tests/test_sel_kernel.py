@@ -312,6 +312,25 @@ def test_duplicate_ids_count_once(path):
         assert rel_rmse(x, y) <= 1e-6
 
 
+def test_clean_indices_keeps_each_valid_id_once_in_its_slot():
+    """_clean_indices against a loop: ids outside [0, t // l'] and repeats of an earlier slot's id -> -1, the rest in
+    place, whatever order the slots come in."""
+    NT, H, n, l = 37, 3, 16, 4
+    g = torch.Generator().manual_seed(11)
+    idx = torch.randint(-3, 12, (NT, H, n), generator=g, dtype=torch.int32)
+    pos = torch.randint(0, 40, (NT,), generator=g, dtype=torch.int32)
+    out = sel_kernel._clean_indices(idx, pos, l)
+    want = torch.full_like(idx, -1)
+    for t in range(NT):
+        for h in range(H):
+            seen = set()
+            for s, j in enumerate(idx[t, h].tolist()):
+                if 0 <= j <= pos[t] // l and j not in seen:
+                    want[t, h, s] = j
+                seen.add(j)
+    assert (want == -1).any() and (want >= 0).any() and torch.equal(out, want)
+
+
 def test_empty_inputs(path):
     """T = 0, B = 0 and n = 0, with and without cu_seqlens: no launch, o = 0 and zero gradients of the right shapes."""
     for B, T, n, cu in ((1, 0, 3, None), (0, 20, 3, None), (1, 0, 3, [0, 0]), (1, 20, 0, None), (1, 20, 0, [0, 20])):
