@@ -403,13 +403,13 @@ def _clean_kernel(idx, out, pos, NR, H: tl.constexpr, NS: tl.constexpr, BNS: tl.
 # host launchers (no host syncs: every size below comes from shapes, so torch.compile and CUDA graphs can capture them)
 
 def _flat(q, k, v, block_indices, sel_block, cu_seqlens):
-    """Packs (B, T, ...) into one token axis of B*T tokens; returns them, the cleaned ids, pos (B*T,) int32 (the
-    position of each token inside its own sequence: positions restart at each cu_seqlens offset), and the number
-    of sequences."""
+    """Packs (B, T, ...) into one token axis of B*T tokens; returns them, the cleaned ids, pos and seq (B*T,) int32
+    (the position of each token inside its own sequence, which restarts at each cu_seqlens offset, and that
+    sequence's index), and the number of sequences."""
     B, T = q.shape[:2]
-    cu, _, pos = sequences(B, T, cu_seqlens, q.device)
+    cu, seq, pos = sequences(B, T, cu_seqlens, q.device)
     return (pack(q), pack(k), pack(v), _clean_indices(pack(block_indices), pos, sel_block), pos.to(torch.int32),
-            cu.numel() - 1)
+            seq.to(torch.int32), cu.numel() - 1)
 
 
 def _clean_indices(idx, pos, sel_block):
@@ -471,43 +471,53 @@ def _windows(NT, HQ, NS, NKC):
     return [(t0, min(NT, t0 + W)) for t0 in range(0, NT, W)], min(W, NT) * HQ * NS * NKC
 
 
-def _reverse_index(idx, pos, t0, sel_block, n_seq, chunk):
+def _key_dtype(n):
+    """The smallest signed integer dtype that holds 0..n (a radix sort takes one pass per byte)."""
+    return torch.int16 if n < 2 ** 15 else torch.int32 if n < 2 ** 31 else torch.int64
+
+
+def _reverse_index(idx, pos, seq, t0, sel_block, n_seq, chunk):
     """For every (kv head, selected block): the (token, slot) pairs of the token window [t0, t0 + W) that selected
-    it, tokens ascending, cut into chunks of `chunk`. idx (W, H, n) int32 cleaned (the window's rows), pos (NT,)
-    int32 (all tokens). Returns rev (E,) = token in the window * n + slot (int32 where it fits), per chunk
-    begin/end/key (NC,) (key = kv head * NT + the block's first token), and per (head, block start token) the chunk
-    range seg_c0/seg_c1 (H*NT,). O(W*H*n + H*NT) memory, no host sync."""
+    it, tokens ascending, cut into chunks of `chunk`. idx (W, H, n) int32 cleaned (the window's rows), pos and seq
+    (NT,) int32 (all tokens' positions and sequences). Returns rev (E,) = token in the window * n + slot (int32 where
+    it fits), per chunk begin/end/key (NC,) (key = kv head * NT + the block's first token), and per (head, block
+    start token) the chunk range seg_c0/seg_c1 (H*NT,). O(W*H*n + H*NT) memory, no host sync."""
     W, H, NS = idx.shape
     NT, dev = pos.numel(), idx.device
     j = idx.long()                                                             # cleaned: valid or -1
-    kst = (torch.arange(t0, t0 + W, device=dev) - pos[t0:t0 + W].long())[:, None, None] + j * sel_block  # block start
+    bos = torch.arange(t0, t0 + W, device=dev) - pos[t0:t0 + W].long()        # (W,) the tokens' sequence starts
+    kst = bos[:, None, None] + j * sel_block                                   # (W, H, n) block start tokens
     head = torch.arange(H, device=dev)[None, :, None]
-    key = torch.where(j >= 0, head * NT + kst, H * NT).flatten()               # (E,) invalid -> sentinel, last
-    if H * NT < 2 ** 31:
-        key = key.int()                                                        # a radix sort of half the passes
+    # sorted by (kv head, block number); block number = kst // l' + sequence, one per block, ascending with kst and
+    # small: int16 keys where they fit take half the radix passes of int32
+    NB = NT // sel_block + n_seq
+    blk = kst // sel_block + seq[t0:t0 + W].long()[:, None, None]
+    key = torch.where(j >= 0, head * NB + blk, H * NB).flatten()               # (E,) invalid -> sentinel, last
+    key = key.to(_key_dtype(H * NB))
     key, perm = torch.sort(key, stable=True)                                   # stable: tokens stay ascending
     rev = (perm // (H * NS) * NS + perm % NS).to(torch.int32 if W * NS < 2 ** 31 else torch.int64)
     E = key.numel()
     i = torch.arange(E, device=dev)
     new_seg = torch.ones(E, dtype=torch.bool, device=dev)
     new_seg[1:] = key[1:] != key[:-1]
-    valid = key < H * NT
+    valid = key < H * NB
     seg_start = torch.searchsorted(key, key)                                   # first entry of each one's block
     is_chunk = valid & (new_seg | ((i - seg_start) % chunk == 0))
     # chunks <= E / chunk + segments, segments <= min(E, H * (NT / l' + n_seq))
-    NC = E // chunk + min(E, H * (NT // sel_block + n_seq)) + 1
+    NC = E // chunk + min(E, H * NB) + 1
     csum = torch.cumsum(is_chunk, 0)
     c_begin = torch.searchsorted(csum, torch.arange(1, NC + 2, device=dev))   # position of the c-th chunk start
     c_begin = torch.minimum(c_begin, valid.sum())
     c_end, c_begin = c_begin[1:], c_begin[:-1]
-    c_key = torch.where(c_begin < c_end, key[c_begin.clamp(max=E - 1)].long(), H * NT)  # sorted; empty chunks last
+    first = perm[c_begin.clamp(max=E - 1)]                                     # (NC,) a chunk's first pair, unsorted
+    c_key = torch.where(c_begin < c_end, (head * NT + kst).flatten()[first], H * NT)  # sorted; empty chunks last
     blocks = (torch.arange(H, device=dev)[:, None] * NT + torch.arange(NT, device=dev)[None, :]).flatten()
     seg_c0 = torch.searchsorted(c_key, blocks).to(torch.int32)                 # (H*NT,) for keys that start a block
     seg_c1 = torch.searchsorted(c_key, blocks, right=True).to(torch.int32)
     return rev, c_begin, c_end, torch.where(c_begin < c_end, c_key, 0), seg_c0, seg_c1
 
 
-def _fwd_key(qf, kf, vf, gf, idx, pos, n_seq, c, NS, scale_log2):
+def _fwd_key(qf, kf, vf, gf, idx, pos, seq, n_seq, c, NS, scale_log2):
     """The key-centric forward on packed inputs, window by window: partials per (token, query head, slot,
     sub-block), then the merge (which applies the gate gf, (NT, HQ) fp32 or None)."""
     NT, HQ, DV = qf.shape[0], qf.shape[1], vf.shape[2]
@@ -521,7 +531,7 @@ def _fwd_key(qf, kf, vf, gf, idx, pos, n_seq, c, NS, scale_log2):
     lse = torch.empty(NT, HQ, device=qf.device, dtype=torch.float32)
     M_sum, sum_cfg = _sum_launch(c["G"], NS, NKC)
     for t0, t1 in windows:
-        rev, c_begin, c_end, c_key, _, _ = _reverse_index(idx[t0:t1], pos, t0, c["BS"], n_seq, chunk)
+        rev, c_begin, c_end, c_key, _, _ = _reverse_index(idx[t0:t1], pos, seq, t0, c["BS"], n_seq, chunk)
         _sel_key_fwd_kernel[(c_begin.numel(), NKC)](qf, kf, vf, o_part, lse_part, rev, c_begin, c_end, c_key, pos,
                                                     scale_log2, NT, t0, M=M, NKC=NKC, NS=NS, **c, **cfg)
         _sel_key_merge_kernel[(triton.cdiv(t1 - t0, M_sum // c["G"]), c["H"])](
@@ -537,11 +547,11 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
     c, NS = _sizes(q, k, v, block_indices, sel_block)
     if NT == 0 or NS == 0:  # nothing to attend to: o = 0, lse = -inf
         return q.new_zeros(B, T, HQ, DV), q.new_full((B, T, HQ), float("-inf"), dtype=torch.float32)
-    qf, kf, vf, idx, pos, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
+    qf, kf, vf, idx, pos, seq, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
     gf = pack_gate(gate)
     scale_log2 = scale * math.log2(math.e)
     if _key_path(c["G"], NT):
-        o, lse = _fwd_key(qf, kf, vf, gf, idx, pos, n_seq, c, NS, scale_log2)
+        o, lse = _fwd_key(qf, kf, vf, gf, idx, pos, seq, n_seq, c, NS, scale_log2)
         return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
     M, union, cfg = _query_launch("fwd", c["G"])
     o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
@@ -562,7 +572,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 gate_grad(q.new_zeros(B, T, HQ, dtype=torch.float32), gate))
     key_path = _key_path(c["G"], NT)
-    qf, kf, vf, idx, pos, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
+    qf, kf, vf, idx, pos, seq, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
     of, dof = o.reshape(NT, HQ, DV).contiguous(), do.reshape(NT, HQ, DV).contiguous()
     H = c["H"]
     scale_log2 = scale * math.log2(math.e)
@@ -588,7 +598,8 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     dk_sum, dv_sum = (dk, dv) if len(windows) == 1 else (torch.empty_like(kf, dtype=torch.float32),  # windows add
                                                           torch.empty_like(vf, dtype=torch.float32))  # up in fp32
     for t0, t1 in windows:
-        rev, c_begin, c_end, c_key, seg_c0, seg_c1 = _reverse_index(idx[t0:t1], pos, t0, sel_block, n_seq, chunk)
+        rev, c_begin, c_end, c_key, seg_c0, seg_c1 = _reverse_index(idx[t0:t1], pos, seq, t0, sel_block, n_seq,
+                                                                    chunk)
         NC = c_begin.numel()
         dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
         dv_part = torch.empty(NC, BSP, DV, device=q.device, dtype=torch.float32)

@@ -331,6 +331,26 @@ def test_clean_indices_keeps_each_valid_id_once_in_its_slot():
     assert (want == -1).any() and (want >= 0).any() and torch.equal(out, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_reverse_index_same_with_wider_sort_keys(dtype, monkeypatch):
+    """_reverse_index sorts int16 keys where they fit (every CPU test's size); int32 and int64 keys, which large
+    inputs take, give the same index (var-length, a token window that starts mid-sequence)."""
+    cu = torch.tensor([0, 70, 75, 200], dtype=torch.int32)
+    T, H, n, l = 200, 3, 4, 16
+    idx = random_indices(1, T, H, n, l, seed=12, cu_seqlens=cu)
+    qkv = randn((1, T, H, 8), (1, T, H, 8), (1, T, H, 8), seed=12)
+    _, _, _, _, pos, seq, n_seq = sel_kernel._flat(*qkv, idx, l, cu)
+    args = (sel_kernel._clean_indices(idx[0], pos, l)[50:150], pos, seq, 50, l, n_seq, 7)
+    want = sel_kernel._reverse_index(*args)
+    rev, c_begin, c_end, c_key = want[:4]
+    chunks = c_begin < c_end
+    assert sel_kernel._key_dtype(H * (T // l + n_seq)) == torch.int16
+    assert chunks.sum() > c_key[chunks].unique().numel() > H * 3                # blocks of 3 sequences, some cut
+    monkeypatch.setattr(sel_kernel, "_key_dtype", lambda n: dtype)
+    for a, b in zip(sel_kernel._reverse_index(*args), want):
+        assert torch.equal(a, b)
+
+
 def test_empty_inputs(path):
     """T = 0, B = 0 and n = 0, with and without cu_seqlens: no launch, o = 0 and zero gradients of the right shapes."""
     for B, T, n, cu in ((1, 0, 3, None), (0, 20, 3, None), (1, 0, 3, [0, 0]), (1, 20, 0, None), (1, 20, 0, [0, 20])):
