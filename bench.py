@@ -486,9 +486,8 @@ def selection_sweep(trained, source):
             "dq": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
             "dkv": [dict(rows=r, chunk_rows=16384, num_warps=w, num_stages=s)
                     for r, w, s in ((64, 4, 2), (64, 4, 3), (128, 8, 2))],
-            "key_fwd": [dict(rows=r, chunk_rows=c, num_warps=w, num_stages=s)
-                        for r, c, w, s in ((64, 1024, 4, 2), (64, 2048, 8, 2), (128, 1024, 8, 2), (128, 2048, 8, 2),
-                                           (128, 2048, 8, 3), (128, 2048, 4, 2), (128, 4096, 8, 2), (256, 2048, 8, 2))],
+            "key_fwd": [dict(rows=r, num_warps=w, num_stages=s)
+                        for r, w, s in ((64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2))],
             "key_bwd": [dict(rows=r, chunk_rows=c, num_warps=w, num_stages=s)
                         for r, c, w, s in ((64, 8192, 4, 3), (64, 2048, 4, 3), (128, 16384, 8, 3), (128, 8192, 8, 2),
                                            (128, 8192, 8, 3), (128, 4096, 8, 3), (128, 2048, 8, 3))],

@@ -215,16 +215,22 @@ def attention_op(name, fwd, bwd):
     def setup_context(ctx, inputs, output):
         q, k, v, gate, *args = inputs
         ctx.mark_non_differentiable(output[1])
-        ctx.is_tensor = [a is None or isinstance(a, torch.Tensor) for a in args]   # Optional[Tensor] may be None
-        ctx.save_for_backward(q, k, v, gate, *output, *[a for a, t in zip(args, ctx.is_tensor) if t])
-        ctx.consts = [a for a, t in zip(args, ctx.is_tensor) if not t]
+        # each arg: a tensor (or None, for Optional[Tensor]) is saved; a list of tensors is saved flat, its length
+        # kept; anything else is kept as it is
+        ctx.kinds = ["tensor" if a is None or isinstance(a, torch.Tensor) else len(a) if isinstance(a, list)
+                     else "const" for a in args]
+        saved = [[a] if kind == "tensor" else a if isinstance(kind, int) else [] for a, kind in zip(args, ctx.kinds)]
+        ctx.save_for_backward(q, k, v, gate, *output, *[t for ts in saved for t in ts])
+        ctx.consts = [a for a, kind in zip(args, ctx.kinds) if kind == "const"]
 
     def backward(ctx, do, dlse):
         q, k, v, gate, o, lse, *tensors = ctx.saved_tensors
         tensors, consts = iter(tensors), iter(ctx.consts)
-        args = [next(tensors) if t else next(consts) for t in ctx.is_tensor]
+        args = [next(tensors) if kind == "tensor" else next(consts) if kind == "const"
+                else [next(tensors) for _ in range(kind)] for kind in ctx.kinds]
         dq, dk, dv, dgate = bwd_op(do.contiguous(), q, k, v, gate, o, lse, *args)
-        return dq, dk, dv, (None if gate is None else dgate), *[None] * len(args)
+        return dq, dk, dv, (None if gate is None else dgate), *[[None] * kind if isinstance(kind, int) else None
+                                                                  for kind in ctx.kinds]
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
     return fwd_op, bwd_op

@@ -40,7 +40,7 @@ CONFIG = {
     "dq": dict(rows=16, union=False, num_warps=2, num_stages=2),
     "dkv": dict(rows=64, chunk_rows=16384, num_warps=4, num_stages=3),
     "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by shape
-    "key_fwd": dict(rows=128, chunk_rows=2048, num_warps=4, num_stages=2),
+    "key_fwd": dict(rows=128, num_warps=4, num_stages=2),  # its chunks are key_bwd's (one reverse index)
     "key_bwd": dict(rows=128, chunk_rows=4096, num_warps=8, num_stages=3),  # dk/dv on the key path (dq partials too)
     "key_sum": dict(rows=16, num_warps=4),  # the merge of a token's o partials and the sum of its dq partials
 }
@@ -402,16 +402,6 @@ def _clean_kernel(idx, out, pos, NR, H: tl.constexpr, NS: tl.constexpr, BNS: tl.
 # ----------------------------------------------------------------------------------------------------------------
 # host launchers (no host syncs: every size below comes from shapes, so torch.compile and CUDA graphs can capture them)
 
-def _flat(q, k, v, block_indices, sel_block, cu_seqlens):
-    """Packs (B, T, ...) into one token axis of B*T tokens; returns them, the cleaned ids, pos and seq (B*T,) int32
-    (the position of each token inside its own sequence, which restarts at each cu_seqlens offset, and that
-    sequence's index), and the number of sequences."""
-    B, T = q.shape[:2]
-    cu, seq, pos = sequences(B, T, cu_seqlens, q.device)
-    return (pack(q), pack(k), pack(v), _clean_indices(pack(block_indices), pos, sel_block), pos.to(torch.int32),
-            seq.to(torch.int32), cu.numel() - 1)
-
-
 def _clean_indices(idx, pos, sel_block):
     """(NT, H, n) ids made valid and unique in place of each slot: ids outside [0, t // l'] and repeats of an earlier
     slot's id -> -1 (the keys are a union of blocks, so a repeated id counts once)."""
@@ -423,9 +413,8 @@ def _clean_indices(idx, pos, sel_block):
     return out
 
 
-def _sizes(q, k, v, block_indices, sel_block):
-    c = head_sizes(q.shape[2], k.shape[2], q.shape[3], v.shape[3])
-    return dict(c, BS=sel_block, BK=min(64, triton.next_power_of_2(sel_block))), block_indices.shape[3]
+def _sizes(HQ, H, D, DV, sel_block):
+    return dict(head_sizes(HQ, H, D, DV), BS=sel_block, BK=min(64, triton.next_power_of_2(sel_block)))
 
 
 def _key_tiles(c, sel_block):
@@ -508,7 +497,7 @@ def _reverse_index(idx, pos, seq, t0, sel_block, n_seq, chunk):
     csum = torch.cumsum(is_chunk, 0)
     c_begin = torch.searchsorted(csum, torch.arange(1, NC + 2, device=dev))   # position of the c-th chunk start
     c_begin = torch.minimum(c_begin, valid.sum())
-    c_end, c_begin = c_begin[1:], c_begin[:-1]
+    c_end, c_begin = c_begin[1:].clone(), c_begin[:-1]                        # clone: no two outputs share memory
     first = perm[c_begin.clamp(max=E - 1)]                                     # (NC,) a chunk's first pair, unsorted
     c_key = torch.where(c_begin < c_end, (head * NT + kst).flatten()[first], H * NT)  # sorted; empty chunks last
     blocks = (torch.arange(H, device=dev)[:, None] * NT + torch.arange(NT, device=dev)[None, :]).flatten()
@@ -517,21 +506,77 @@ def _reverse_index(idx, pos, seq, t0, sel_block, n_seq, chunk):
     return rev, c_begin, c_end, torch.where(c_begin < c_end, c_key, 0), seg_c0, seg_c1
 
 
-def _fwd_key(qf, kf, vf, gf, idx, pos, seq, n_seq, c, NS, scale_log2):
+def _plan(NT, HQ, H, NS, D, DV, sel_block):
+    """How a call of these sizes runs its dk/dv pass: whether it takes the key path, its token windows, the partial
+    rows of the largest, and the reverse index's chunk (pairs per chunk: about CONFIG's chunk_rows query rows of
+    "key_bwd", or of "dkv" on the query path, in whole tiles)."""
+    c = _sizes(HQ, H, D, DV, sel_block)
+    key_path = _key_path(c["G"], NT)
+    cfg = CONFIG["key_bwd" if key_path else "dkv"]
+    windows, rows = _windows(NT, HQ, NS, _key_tiles(c, sel_block)[1]) if key_path else ([(0, NT)], 0)
+    return key_path, windows, rows, _pair_tiles(cfg["rows"], cfg["chunk_rows"], c["G"])[1]
+
+
+def _index(block_indices: torch.Tensor, HQ: int, D: int, DV: int, sel_block: int,
+           cu_seqlens: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    """What the forward and the backward both take from the ids, built once per call (the op nsa::sel_index): the
+    cleaned ids (NT, H, n), pos and seq (NT,) int32 (each token's position inside its own sequence, which restarts
+    at each cu_seqlens offset, and that sequence's index), then for each token window of _plan its reverse index
+    (_reverse_index's six tensors; none without tokens or slots)."""
+    B, T, H, NS = block_indices.shape
+    cu, seq, pos = sequences(B, T, cu_seqlens, block_indices.device)
+    pos, seq = pos.to(torch.int32), seq.to(torch.int32)
+    idx = _clean_indices(pack(block_indices), pos, sel_block)
+    index = [idx, pos, seq]
+    if B * T and NS:
+        _, windows, _, chunk = _plan(B * T, HQ, H, NS, D, DV, sel_block)
+        for t0, t1 in windows:
+            index += _reverse_index(idx[t0:t1], pos, seq, t0, sel_block, cu.numel() - 1, chunk)
+    return index
+
+
+def _index_fake(block_indices, HQ, D, DV, sel_block, cu_seqlens):
+    """_index's tensors, empty, with the shapes and dtypes it gives (for torch.compile)."""
+    B, T, H, NS = block_indices.shape
+    NT, n_seq = B * T, B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    new = block_indices.new_empty
+    index = [new(NT, H, NS), new(NT), new(NT)]
+    if NT and NS:
+        _, windows, _, chunk = _plan(NT, HQ, H, NS, D, DV, sel_block)
+        for t0, t1 in windows:
+            E = (t1 - t0) * H * NS
+            NC = E // chunk + min(E, H * (NT // sel_block + n_seq)) + 1         # as _reverse_index
+            rev = new(E, dtype=torch.int32 if (t1 - t0) * NS < 2 ** 31 else torch.int64)
+            index += [rev] + [new(NC, dtype=torch.int64) for _ in range(3)] + [new(H * NT) for _ in range(2)]
+    return index
+
+
+sel_index = torch.library.custom_op("nsa::sel_index", _index, mutates_args=())
+sel_index.register_fake(_index_fake)
+
+
+def _window_index(index, windows, NT, H, NS):
+    """The reverse index of each window out of index (nsa::sel_index's), or None if index was built for another
+    plan (CONFIG changed since a compiled graph was traced): then the op builds its own."""
+    if len(index) != 3 + 6 * len(windows) or any(index[3 + 6 * w].numel() != (t1 - t0) * H * NS
+                                                 for w, (t0, t1) in enumerate(windows)):
+        return None
+    return [index[3 + 6 * w: 9 + 6 * w] for w in range(len(windows))]
+
+
+def _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_log2):
     """The key-centric forward on packed inputs, window by window: partials per (token, query head, slot,
     sub-block), then the merge (which applies the gate gf, (NT, HQ) fp32 or None)."""
     NT, HQ, DV = qf.shape[0], qf.shape[1], vf.shape[2]
     cfg = dict(CONFIG["key_fwd"])
     c, NKC = _key_tiles(c, c["BS"])
-    M, chunk = _pair_tiles(cfg.pop("rows"), cfg.pop("chunk_rows"), c["G"])
-    windows, rows = _windows(NT, HQ, NS, NKC)
+    M = tile_m(cfg.pop("rows"), c["G"])
     o_part = torch.empty(rows, DV, device=qf.device, dtype=qf.dtype)           # lse and the merge: fp32
     lse_part = torch.empty(rows, device=qf.device, dtype=torch.float32)
     o = torch.empty(NT, HQ, DV, device=qf.device, dtype=qf.dtype)
     lse = torch.empty(NT, HQ, device=qf.device, dtype=torch.float32)
     M_sum, sum_cfg = _sum_launch(c["G"], NS, NKC)
-    for t0, t1 in windows:
-        rev, c_begin, c_end, c_key, _, _ = _reverse_index(idx[t0:t1], pos, seq, t0, c["BS"], n_seq, chunk)
+    for (t0, t1), (rev, c_begin, c_end, c_key, _, _) in zip(windows, per_window):
         _sel_key_fwd_kernel[(c_begin.numel(), NKC)](qf, kf, vf, o_part, lse_part, rev, c_begin, c_end, c_key, pos,
                                                     scale_log2, NT, t0, M=M, NKC=NKC, NS=NS, **c, **cfg)
         _sel_key_merge_kernel[(triton.cdiv(t1 - t0, M_sum // c["G"]), c["H"])](
@@ -540,18 +585,33 @@ def _fwd_key(qf, kf, vf, gf, idx, pos, seq, n_seq, c, NS, scale_log2):
     return o, lse
 
 
+def _prepare(q, k, v, block_indices, sel_block, cu_seqlens, index):
+    """Sizes, the plan, the packed q, k, v, and the index: the one given (nsa::sel_index's) where it fits the plan,
+    else (e.g. []) built here."""
+    B, T, HQ, D = q.shape
+    H, NS, DV = k.shape[2], block_indices.shape[3], v.shape[3]
+    c = _sizes(HQ, H, D, DV, sel_block)
+    key_path, windows, rows, _ = _plan(B * T, HQ, H, NS, D, DV, sel_block)
+    per_window = _window_index(index, windows, B * T, H, NS)
+    if per_window is None:
+        index = _index(block_indices, HQ, D, DV, sel_block, cu_seqlens)
+        per_window = _window_index(index, windows, B * T, H, NS)
+    return c, NS, key_path, windows, rows, per_window, pack(q), pack(k), pack(v), index[0], index[1]
+
+
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch.Tensor], block_indices: torch.Tensor,
-         sel_block: int, scale: float, cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+         sel_block: int, scale: float, cu_seqlens: Optional[torch.Tensor],
+         index: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, HQ, D = q.shape
     NT, DV = B * T, v.shape[3]
-    c, NS = _sizes(q, k, v, block_indices, sel_block)
-    if NT == 0 or NS == 0:  # nothing to attend to: o = 0, lse = -inf
+    if NT == 0 or block_indices.shape[3] == 0:  # nothing to attend to: o = 0, lse = -inf
         return q.new_zeros(B, T, HQ, DV), q.new_full((B, T, HQ), float("-inf"), dtype=torch.float32)
-    qf, kf, vf, idx, pos, seq, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
+    c, NS, key_path, windows, rows, per_window, qf, kf, vf, idx, pos = _prepare(q, k, v, block_indices, sel_block,
+                                                                              cu_seqlens, index)
     gf = pack_gate(gate)
     scale_log2 = scale * math.log2(math.e)
-    if _key_path(c["G"], NT):
-        o, lse = _fwd_key(qf, kf, vf, gf, idx, pos, seq, n_seq, c, NS, scale_log2)
+    if key_path:
+        o, lse = _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_log2)
         return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
     M, union, cfg = _query_launch("fwd", c["G"])
     o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
@@ -564,15 +624,15 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
 
 def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch.Tensor],
          o: torch.Tensor, lse: torch.Tensor, block_indices: torch.Tensor, sel_block: int, scale: float,
-         cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+         cu_seqlens: Optional[torch.Tensor], index: list[torch.Tensor]
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, HQ, D = q.shape
     NT, DV = B * T, v.shape[3]
-    c, NS = _sizes(q, k, v, block_indices, sel_block)
-    if NT == 0 or NS == 0:  # no key anywhere (o = 0): all gradients are zero
+    if NT == 0 or block_indices.shape[3] == 0:  # no key anywhere (o = 0): all gradients are zero
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 gate_grad(q.new_zeros(B, T, HQ, dtype=torch.float32), gate))
-    key_path = _key_path(c["G"], NT)
-    qf, kf, vf, idx, pos, seq, n_seq = _flat(q, k, v, block_indices, sel_block, cu_seqlens)
+    c, NS, key_path, windows, rows, per_window, qf, kf, vf, idx, pos = _prepare(q, k, v, block_indices, sel_block,
+                                                                              cu_seqlens, index)
     of, dof = o.reshape(NT, HQ, DV).contiguous(), do.reshape(NT, HQ, DV).contiguous()
     H = c["H"]
     scale_log2 = scale * math.log2(math.e)
@@ -588,18 +648,16 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
                                                               scale, NT, M=M, NS=NS, BNS=triton.next_power_of_2(NS),
                                                               UNION=union, **c, **cfg)
     cfg = dict(CONFIG["key_bwd" if key_path else "dkv"])
+    cfg.pop("chunk_rows")                                                      # in the index
     c_kv, NKC = _key_tiles(c, sel_block)
-    M, chunk = _pair_tiles(cfg.pop("rows"), cfg.pop("chunk_rows"), c["G"])
+    M = tile_m(cfg.pop("rows"), c["G"])
     BSP = NKC * c_kv["BK"]
-    windows, rows = _windows(NT, HQ, NS, NKC) if key_path else ([(0, NT)], 0)   # the query path: no per-pair partials
     dq_part = torch.empty(rows, D, device=q.device, dtype=q.dtype) if key_path else None
     M_sum, sum_cfg = _sum_launch(c["G"], NS, NKC)
     dk, dv = torch.empty_like(kf), torch.empty_like(vf)
     dk_sum, dv_sum = (dk, dv) if len(windows) == 1 else (torch.empty_like(kf, dtype=torch.float32),  # windows add
                                                           torch.empty_like(vf, dtype=torch.float32))  # up in fp32
-    for t0, t1 in windows:
-        rev, c_begin, c_end, c_key, seg_c0, seg_c1 = _reverse_index(idx[t0:t1], pos, seq, t0, sel_block, n_seq,
-                                                                    chunk)
+    for (t0, t1), (rev, c_begin, c_end, c_key, seg_c0, seg_c1) in zip(windows, per_window):
         NC = c_begin.numel()
         dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
         dv_part = torch.empty(NC, BSP, DV, device=q.device, dtype=torch.float32)
@@ -646,5 +704,6 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
         raise ValueError(f"cu_seqlens must be int32 (N + 1,) with B == 1, got {cu_seqlens.dtype} "
                          f"{tuple(cu_seqlens.shape)} with B={B}")
     scale = D ** -0.5 if scale is None else float(scale)
-    return sel_attn_fwd(q, k, v, gate, block_indices, int(sel_block), scale, cu_seqlens)[0]
+    index = sel_index(block_indices, HQ, D, v.shape[3], int(sel_block), cu_seqlens)      # shared by fwd and bwd
+    return sel_attn_fwd(q, k, v, gate, block_indices, int(sel_block), scale, cu_seqlens, index)[0]
 

@@ -57,14 +57,14 @@ def path(request, monkeypatch):
     32-row chunks, so a block's list of pairs spans several chunks and tiles."""
     monkeypatch.setitem(sel_kernel.CONFIG, "path", request.param)
     if request.param == "key" and not CUDA:
-        monkeypatch.setitem(sel_kernel.CONFIG, "key_fwd", dict(sel_kernel.CONFIG["key_fwd"], rows=16, chunk_rows=32))
+        monkeypatch.setitem(sel_kernel.CONFIG, "key_fwd", dict(sel_kernel.CONFIG["key_fwd"], rows=16))
         monkeypatch.setitem(sel_kernel.CONFIG, "key_bwd", dict(sel_kernel.CONFIG["key_bwd"], rows=16, chunk_rows=32))
     return request.param
 
 
 def fwd_lse(q, k, v, idx, l, cu_seqlens=None):
     """o and the saved base-2 lse (what the backward reads) of the forward op."""
-    return sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, q.shape[3] ** -0.5, cu_seqlens)
+    return sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, q.shape[3] ** -0.5, cu_seqlens, [])
 
 
 def randn(*shapes, seed, dtype=torch.float32, device="cpu"):
@@ -338,17 +338,43 @@ def test_reverse_index_same_with_wider_sort_keys(dtype, monkeypatch):
     cu = torch.tensor([0, 70, 75, 200], dtype=torch.int32)
     T, H, n, l = 200, 3, 4, 16
     idx = random_indices(1, T, H, n, l, seed=12, cu_seqlens=cu)
-    qkv = randn((1, T, H, 8), (1, T, H, 8), (1, T, H, 8), seed=12)
-    _, _, _, _, pos, seq, n_seq = sel_kernel._flat(*qkv, idx, l, cu)
-    args = (sel_kernel._clean_indices(idx[0], pos, l)[50:150], pos, seq, 50, l, n_seq, 7)
+    cleaned, pos, seq = sel_kernel._index(idx, H, 8, 8, l, cu)[:3]
+    args = (cleaned[50:150], pos, seq, 50, l, cu.numel() - 1, 7)
     want = sel_kernel._reverse_index(*args)
     rev, c_begin, c_end, c_key = want[:4]
     chunks = c_begin < c_end
-    assert sel_kernel._key_dtype(H * (T // l + n_seq)) == torch.int16
+    assert sel_kernel._key_dtype(H * (T // l + cu.numel() - 1)) == torch.int16
     assert chunks.sum() > c_key[chunks].unique().numel() > H * 3                # blocks of 3 sequences, some cut
     monkeypatch.setattr(sel_kernel, "_key_dtype", lambda n: dtype)
     for a, b in zip(sel_kernel._reverse_index(*args), want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("windows", [1, 3])
+def test_index_built_once_and_its_fake_matches(path, windows, monkeypatch):
+    """nsa::sel_index builds the ids' index once per call: forward and backward take it and build none of their own;
+    its fake (for torch.compile) gives every tensor's shape and dtype; an index built for another plan (here other
+    token windows) is rebuilt, and the result stays right."""
+    B, T, HQ, H, n, l = 1, 40, 4, 2, 3, 16
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    monkeypatch.setattr(sel_kernel, "KEY_WINDOW_ROWS", HQ * n * -(-T // windows))  # the key path: that many windows
+    idx = random_indices(B, T, H, n, l, seed=13, cu_seqlens=cu)
+    index = sel_kernel._index(idx, HQ, 32, 32, l, cu)
+    fake = sel_kernel._index_fake(idx, HQ, 32, 32, l, cu)
+    assert len(index) == 3 + 6 * (windows if path == "key" else 1)
+    assert [(x.shape, x.dtype) for x in index] == [(x.shape, x.dtype) for x in fake]
+    built, index_fn = [], sel_kernel._index
+    monkeypatch.setattr(sel_kernel, "_index", lambda *a: built.append(a) or index_fn(*a))
+    out, ref = run_both(B, T, HQ, H, 32, 32, n, l, torch.float32, idx=idx, cu_seqlens=cu, seed=13)
+    assert not built
+    for a, b in zip(out, ref):
+        assert rel_rmse(a, b) <= 1e-5
+    monkeypatch.setattr(sel_kernel, "KEY_WINDOW_ROWS", HQ * n * -(-T // (windows + 1)))
+    q, k, v = randn((B, T, HQ, 32), (B, T, H, 32), (B, T, H, 32), seed=13)
+    o_stale = sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, 32 ** -0.5, cu, index)[0]
+    assert len(built) == (1 if path == "key" else 0)                            # the key path's windows differ
+    monkeypatch.setattr(sel_kernel, "_index", index_fn)
+    assert torch.equal(o_stale, sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, 32 ** -0.5, cu, [])[0])
 
 
 def test_empty_inputs(path):
