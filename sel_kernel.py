@@ -453,11 +453,9 @@ def _sum_launch(G, NS, NKC):
     return tile_m(cfg.pop("rows"), G), dict(cfg, BP=triton.next_power_of_2(NS * NKC))
 
 
-def _windows(NT, HQ, NS, NKC):
-    """The key path's token windows [t0, t1), at most KEY_WINDOW_ROWS partial rows each (one window while NT fits),
-    and the partial rows of the largest (the rows its buffers need)."""
-    W = max(1, KEY_WINDOW_ROWS // (HQ * NS * NKC))
-    return [(t0, min(NT, t0 + W)) for t0 in range(0, NT, W)], min(W, NT) * HQ * NS * NKC
+def _windows(NT, W):
+    """Token windows [t0, t1) of W tokens covering the NT packed tokens."""
+    return [(t0, min(NT, t0 + W)) for t0 in range(0, NT, W)]
 
 
 def _key_dtype(n):
@@ -507,47 +505,50 @@ def _reverse_index(idx, pos, seq, t0, sel_block, n_seq, chunk):
 
 
 def _plan(NT, HQ, H, NS, D, DV, sel_block):
-    """How a call of these sizes runs its dk/dv pass: whether it takes the key path, its token windows, the partial
-    rows of the largest, and the reverse index's chunk (pairs per chunk: about CONFIG's chunk_rows query rows of
-    "key_bwd", or of "dkv" on the query path, in whole tiles)."""
+    """How a call of these sizes runs: whether it takes the key path; the tokens W of each window of its dk/dv pass
+    (and of the key path's forward), so that a window holds at most KEY_WINDOW_ROWS per-pair partial rows (one window
+    on the query path, which has none); the partial rows of a full window; and the reverse index's chunk (pairs per
+    chunk: about CONFIG's chunk_rows query rows of "key_bwd", or of "dkv" on the query path, in whole tiles)."""
     c = _sizes(HQ, H, D, DV, sel_block)
     key_path = _key_path(c["G"], NT)
     cfg = CONFIG["key_bwd" if key_path else "dkv"]
-    windows, rows = _windows(NT, HQ, NS, _key_tiles(c, sel_block)[1]) if key_path else ([(0, NT)], 0)
-    return key_path, windows, rows, _pair_tiles(cfg["rows"], cfg["chunk_rows"], c["G"])[1]
+    chunk = _pair_tiles(cfg["rows"], cfg["chunk_rows"], c["G"])[1]
+    if not key_path:
+        return False, max(NT, 1), 0, chunk
+    rows_per_token = HQ * NS * _key_tiles(c, sel_block)[1]
+    W = max(1, KEY_WINDOW_ROWS // max(1, rows_per_token))
+    return True, W, min(W, NT) * rows_per_token, chunk
 
 
-def _index(block_indices: torch.Tensor, HQ: int, D: int, DV: int, sel_block: int,
-           cu_seqlens: Optional[torch.Tensor]) -> list[torch.Tensor]:
-    """What the forward and the backward both take from the ids, built once per call (the op nsa::sel_index): the
-    cleaned ids (NT, H, n), pos and seq (NT,) int32 (each token's position inside its own sequence, which restarts
-    at each cu_seqlens offset, and that sequence's index), then for each token window of _plan its reverse index
-    (_reverse_index's six tensors; none without tokens or slots)."""
+def _index(block_indices: torch.Tensor, sel_block: int, cu_seqlens: Optional[torch.Tensor], window: int,
+           chunk: int) -> list[torch.Tensor]:
+    """What the forward and the backward both take from the ids, built once per call (the op nsa::sel_index) for
+    the windows of `window` tokens and chunks of `chunk` pairs that _plan gives: the cleaned ids (NT, H, n), pos and
+    seq (NT,) int32 (each token's position inside its own sequence, which restarts at each cu_seqlens offset, and
+    that sequence's index), then each window's reverse index (_reverse_index's six tensors; none without tokens or
+    slots). A pure function of its arguments, as its fake must be."""
     B, T, H, NS = block_indices.shape
     cu, seq, pos = sequences(B, T, cu_seqlens, block_indices.device)
     pos, seq = pos.to(torch.int32), seq.to(torch.int32)
     idx = _clean_indices(pack(block_indices), pos, sel_block)
     index = [idx, pos, seq]
-    if B * T and NS:
-        _, windows, _, chunk = _plan(B * T, HQ, H, NS, D, DV, sel_block)
-        for t0, t1 in windows:
+    if NS:
+        for t0, t1 in _windows(B * T, window):
             index += _reverse_index(idx[t0:t1], pos, seq, t0, sel_block, cu.numel() - 1, chunk)
     return index
 
 
-def _index_fake(block_indices, HQ, D, DV, sel_block, cu_seqlens):
+def _index_fake(block_indices, sel_block, cu_seqlens, window, chunk):
     """_index's tensors, empty, with the shapes and dtypes it gives (for torch.compile)."""
     B, T, H, NS = block_indices.shape
     NT, n_seq = B * T, B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     new = block_indices.new_empty
     index = [new(NT, H, NS), new(NT), new(NT)]
-    if NT and NS:
-        _, windows, _, chunk = _plan(NT, HQ, H, NS, D, DV, sel_block)
-        for t0, t1 in windows:
-            E = (t1 - t0) * H * NS
-            NC = E // chunk + min(E, H * (NT // sel_block + n_seq)) + 1         # as _reverse_index
-            rev = new(E, dtype=torch.int32 if (t1 - t0) * NS < 2 ** 31 else torch.int64)
-            index += [rev] + [new(NC, dtype=torch.int64) for _ in range(3)] + [new(H * NT) for _ in range(2)]
+    for t0, t1 in _windows(NT, window) if NS else []:
+        E = (t1 - t0) * H * NS
+        NC = E // chunk + min(E, H * (NT // sel_block + n_seq)) + 1             # as _reverse_index
+        rev = new(E, dtype=torch.int32 if (t1 - t0) * NS < 2 ** 31 else torch.int64)
+        index += [rev] + [new(NC, dtype=torch.int64) for _ in range(3)] + [new(H * NT) for _ in range(2)]
     return index
 
 
@@ -555,9 +556,9 @@ sel_index = torch.library.custom_op("nsa::sel_index", _index, mutates_args=())
 sel_index.register_fake(_index_fake)
 
 
-def _window_index(index, windows, NT, H, NS):
-    """The reverse index of each window out of index (nsa::sel_index's), or None if index was built for another
-    plan (CONFIG changed since a compiled graph was traced): then the op builds its own."""
+def _window_index(index, windows, H, NS):
+    """The reverse index of each window out of index (nsa::sel_index's), or None if index was built for other
+    windows (or is []): then the op builds its own."""
     if len(index) != 3 + 6 * len(windows) or any(index[3 + 6 * w].numel() != (t1 - t0) * H * NS
                                                  for w, (t0, t1) in enumerate(windows)):
         return None
@@ -586,16 +587,17 @@ def _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_l
 
 
 def _prepare(q, k, v, block_indices, sel_block, cu_seqlens, index):
-    """Sizes, the plan, the packed q, k, v, and the index: the one given (nsa::sel_index's) where it fits the plan,
-    else (e.g. []) built here."""
+    """Sizes, the plan, the packed q, k, v, and the index: the one given (nsa::sel_index's) where it fits the plan
+    (CONFIG may have changed since a compiled graph was traced), else built here."""
     B, T, HQ, D = q.shape
     H, NS, DV = k.shape[2], block_indices.shape[3], v.shape[3]
     c = _sizes(HQ, H, D, DV, sel_block)
-    key_path, windows, rows, _ = _plan(B * T, HQ, H, NS, D, DV, sel_block)
-    per_window = _window_index(index, windows, B * T, H, NS)
+    key_path, W, rows, chunk = _plan(B * T, HQ, H, NS, D, DV, sel_block)
+    windows = _windows(B * T, W)
+    per_window = _window_index(index, windows, H, NS)
     if per_window is None:
-        index = _index(block_indices, HQ, D, DV, sel_block, cu_seqlens)
-        per_window = _window_index(index, windows, B * T, H, NS)
+        index = _index(block_indices, sel_block, cu_seqlens, W, chunk)
+        per_window = _window_index(index, windows, H, NS)
     return c, NS, key_path, windows, rows, per_window, pack(q), pack(k), pack(v), index[0], index[1]
 
 
@@ -704,6 +706,7 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
         raise ValueError(f"cu_seqlens must be int32 (N + 1,) with B == 1, got {cu_seqlens.dtype} "
                          f"{tuple(cu_seqlens.shape)} with B={B}")
     scale = D ** -0.5 if scale is None else float(scale)
-    index = sel_index(block_indices, HQ, D, v.shape[3], int(sel_block), cu_seqlens)      # shared by fwd and bwd
+    _, window, _, chunk = _plan(B * T, HQ, k.shape[2], block_indices.shape[3], D, v.shape[3], int(sel_block))
+    index = sel_index(block_indices, int(sel_block), cu_seqlens, window, chunk)          # shared by fwd and bwd
     return sel_attn_fwd(q, k, v, gate, block_indices, int(sel_block), scale, cu_seqlens, index)[0]
 

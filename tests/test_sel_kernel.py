@@ -116,7 +116,8 @@ def test_key_path_token_windows_match_reference(path, monkeypatch):
     """More partial rows than KEY_WINDOW_ROWS: the key path runs window by window (7 tokens here, so windows cut the
     sequences; then two sub-blocks per block), and o, every gradient and dgate still match the reference."""
     monkeypatch.setattr(sel_kernel, "KEY_WINDOW_ROWS", 7 * 4 * 3)             # HQ * n = 12 rows per token
-    assert sel_kernel._windows(57, 4, 3, 1) == ([(t, t + 7) for t in range(0, 56, 7)] + [(56, 57)], 7 * 4 * 3)
+    assert sel_kernel._plan(57, 4, 2, 3, 32, 32, 16)[1:3] == (7, 7 * 4 * 3)
+    assert sel_kernel._windows(57, 7) == [(t, t + 7) for t in range(0, 56, 7)] + [(56, 57)]
     cu = torch.tensor([0, 20, 57], dtype=torch.int32)
     out, ref = run_both(1, 57, 4, 2, 32, 32, 3, 16, torch.float32, seed=40, cu_seqlens=cu, gated=True)
     out2, ref2 = run_both(2, 30, 2, 1, 160, 32, 3, 64, torch.float32, seed=41)   # 7 tokens a window again
@@ -338,7 +339,7 @@ def test_reverse_index_same_with_wider_sort_keys(dtype, monkeypatch):
     cu = torch.tensor([0, 70, 75, 200], dtype=torch.int32)
     T, H, n, l = 200, 3, 4, 16
     idx = random_indices(1, T, H, n, l, seed=12, cu_seqlens=cu)
-    cleaned, pos, seq = sel_kernel._index(idx, H, 8, 8, l, cu)[:3]
+    cleaned, pos, seq = sel_kernel._index(idx, l, cu, T, 7)[:3]
     args = (cleaned[50:150], pos, seq, 50, l, cu.numel() - 1, 7)
     want = sel_kernel._reverse_index(*args)
     rev, c_begin, c_end, c_key = want[:4]
@@ -359,10 +360,12 @@ def test_index_built_once_and_its_fake_matches(path, windows, monkeypatch):
     cu = torch.tensor([0, 17, 40], dtype=torch.int32)
     monkeypatch.setattr(sel_kernel, "KEY_WINDOW_ROWS", HQ * n * -(-T // windows))  # the key path: that many windows
     idx = random_indices(B, T, H, n, l, seed=13, cu_seqlens=cu)
-    index = sel_kernel._index(idx, HQ, 32, 32, l, cu)
-    fake = sel_kernel._index_fake(idx, HQ, 32, 32, l, cu)
+    plan = sel_kernel._plan(T, HQ, H, n, 32, 32, l)
+    index = sel_kernel._index(idx, l, cu, *plan[1::2])
+    fake = sel_kernel._index_fake(idx, l, cu, *plan[1::2])
     assert len(index) == 3 + 6 * (windows if path == "key" else 1)
     assert [(x.shape, x.dtype) for x in index] == [(x.shape, x.dtype) for x in fake]
+    torch.library.opcheck(sel_kernel.sel_index, (idx, l, cu, *plan[1::2]))
     built, index_fn = [], sel_kernel._index
     monkeypatch.setattr(sel_kernel, "_index", lambda *a: built.append(a) or index_fn(*a))
     out, ref = run_both(B, T, HQ, H, 32, 32, n, l, torch.float32, idx=idx, cu_seqlens=cu, seed=13)
@@ -411,7 +414,7 @@ def test_compile_fullgraph_cpu(path):
     q, k, v = randn((1, 24, 4, 32), (1, 24, 2, 32), (1, 24, 2, 32), seed=9)
     idx = random_indices(1, 24, 2, 2, 16, seed=9)
     qk = [x.clone().requires_grad_() for x in (q, k, v)]
-    grads = torch.autograd.grad(_compiled_loss(*qk, idx, 16, "aot_eager"), qk)  # fullgraph: no graph break
+    grads = torch.autograd.grad(_compiled_loss(*qk, idx, 16, "inductor"), qk)  # fullgraph: no graph break
     qe = [x.clone().requires_grad_() for x in (q, k, v)]
     for a, b in zip(grads, torch.autograd.grad((sel_kernel.selection_attention_triton(*qe, idx, 16) ** 2).sum(), qe)):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
