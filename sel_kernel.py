@@ -1,7 +1,8 @@
 """Triton kernels for NSA's selected-block attention (the definition in nsa_attention.py, "Selected"; paper
-Sec. 3.3.2 / 3.4): forward, dq, dk/dv, registered as the ops nsa::sel_attn_fwd / _bwd. nsa_attention.selection_attention
-(backend "auto" on CUDA, or "triton") calls selection_attention_triton; row tiles, the online-softmax step, op
-registration and token positions come from the shared pieces of nsa_kernels.py."""
+Sec. 3.3.2 / 3.4): forward, dq, dk/dv, registered as the ops nsa::sel_attn_fwd / _bwd, which share nsa::sel_index
+(the ids' index). nsa_attention.selection_attention (backend "auto" on CUDA, or "triton") calls
+selection_attention_triton; row tiles, the online-softmax step, op registration and token positions come from the
+shared pieces of nsa_kernels.py."""
 import math
 from typing import Optional
 
@@ -26,7 +27,9 @@ from nsa_kernels import (attention_op, gate_delta, gate_grad, gate_out, gated_ls
 #   the dk/dv kernel writing dq partials too (no query-centric dq pass). Its per-pair partials are held for one token
 #   window at a time (KEY_WINDOW_ROWS): each window gets the reverse index of its own pairs, and dk/dv add up over
 #   the windows in window order.
-# - ids are cleaned once per op by a small kernel: out of [0, t // l'] or repeating an earlier slot's -> -1.
+# - the ids' index is built once per call, before the forward, by the op nsa::sel_index, and kept for the backward:
+#   the ids cleaned by a small kernel (out of [0, t // l'] or repeating an earlier slot's -> -1) and each window's
+#   reverse index.
 # The file reads: inner loops -> kernels -> host launchers (_fwd, _bwd) -> ops -> selection_attention_triton.
 
 KEY_WINDOW_ROWS = 2 ** 23  # key path: per-pair partial rows (token x query head x slot x sub-block) held at once;
