@@ -45,10 +45,12 @@ CONFIG = {
     "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by shape
     "key_fwd": dict(rows=128, num_warps=4, num_stages=2),  # its chunks are key_bwd's (one reverse index)
     "key_bwd": dict(rows=128, chunk_rows=4096, num_warps=8, num_stages=3),  # dk/dv on the key path (dq partials too)
+    "key_bwd_small_d": dict(rows=64, chunk_rows=2048, num_warps=4, num_stages=3),  # the same, heads <= SMALL_D wide
     "key_sum": dict(rows=16, num_warps=4),  # the merge of a token's o partials and the sum of its dq partials
 }
 KEY_MAX_G = 4          # "auto" takes the key-centric path for G = HQ / H up to this (RESULTS.md, "Selection paths") ...
 KEY_MIN_TOKENS = 4096  # ... and at least this many packed tokens (below, the reverse-index sort and launches show)
+SMALL_D = 64           # heads at most this wide take "key_bwd_small_d" (smaller tiles were faster there)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -507,14 +509,20 @@ def _reverse_index(idx, pos, seq, t0, sel_block, n_seq, chunk):
     return rev, c_begin, c_end, torch.where(c_begin < c_end, c_key, 0), seg_c0, seg_c1
 
 
+def _dkv_entry(key_path, D, DV):
+    """The CONFIG entry of the dk/dv pass: "dkv" on the query path; on the key path "key_bwd", or "key_bwd_small_d"
+    for heads of at most SMALL_D."""
+    return "dkv" if not key_path else "key_bwd_small_d" if max(D, DV) <= SMALL_D else "key_bwd"
+
+
 def _plan(NT, HQ, H, NS, D, DV, sel_block):
     """How a call of these sizes runs: whether it takes the key path; the tokens W of each window of its dk/dv pass
     (and of the key path's forward), so that a window holds at most KEY_WINDOW_ROWS per-pair partial rows (one window
     on the query path, which has none); the partial rows of a full window; and the reverse index's chunk (pairs per
-    chunk: about CONFIG's chunk_rows query rows of "key_bwd", or of "dkv" on the query path, in whole tiles)."""
+    chunk: about chunk_rows query rows of the dk/dv pass's CONFIG entry, in whole tiles)."""
     c = _sizes(HQ, H, D, DV, sel_block)
     key_path = _key_path(c["G"], NT)
-    cfg = CONFIG["key_bwd" if key_path else "dkv"]
+    cfg = CONFIG[_dkv_entry(key_path, D, DV)]
     chunk = _pair_tiles(cfg["rows"], cfg["chunk_rows"], c["G"])[1]
     if not key_path:
         return False, max(NT, 1), 0, chunk
@@ -652,7 +660,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
         _sel_bwd_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](qf, kf, vf, dof, lse, delta, dq, idx, pos, scale_log2,
                                                               scale, NT, M=M, NS=NS, BNS=triton.next_power_of_2(NS),
                                                               UNION=union, **c, **cfg)
-    cfg = dict(CONFIG["key_bwd" if key_path else "dkv"])
+    cfg = dict(CONFIG[_dkv_entry(key_path, D, DV)])
     cfg.pop("chunk_rows")                                                      # in the index
     c_kv, NKC = _key_tiles(c, sel_block)
     M = tile_m(cfg.pop("rows"), c["G"])

@@ -168,7 +168,8 @@ def test_selection_sweep_times_each_kernel_on_its_path(bench, monkeypatch, capsy
     monkeypatch.setattr(bench, "fwd_bwd", lambda f, *inputs: (record, record))
     bench.selection_sweep(None, "select")
     lines = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
-    assert len(lines) == len(seen) and {"fwd", "dq", "dkv", "key_fwd", "key_bwd", "key_sum"} == set(lines)
+    key_bwd = sel_kernel._dkv_entry(True, bench.D, bench.Dv)                  # the key path's dk/dv entry at D
+    assert len(lines) == len(seen) and {"fwd", "dq", "dkv", "key_fwd", key_bwd, "key_sum"} == set(lines)
     for kname, (path, cfg) in zip(lines, seen):
         assert path == ("key" if kname.startswith("key") else "query")
         changed = {k for k in cfg if cfg[k] != before[k]}

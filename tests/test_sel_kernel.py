@@ -58,7 +58,8 @@ def path(request, monkeypatch):
     monkeypatch.setitem(sel_kernel.CONFIG, "path", request.param)
     if request.param == "key" and not CUDA:
         monkeypatch.setitem(sel_kernel.CONFIG, "key_fwd", dict(sel_kernel.CONFIG["key_fwd"], rows=16))
-        monkeypatch.setitem(sel_kernel.CONFIG, "key_bwd", dict(sel_kernel.CONFIG["key_bwd"], rows=16, chunk_rows=32))
+        for name in ("key_bwd", "key_bwd_small_d"):
+            monkeypatch.setitem(sel_kernel.CONFIG, name, dict(sel_kernel.CONFIG[name], rows=16, chunk_rows=32))
     return request.param
 
 
@@ -401,6 +402,19 @@ def test_auto_rule_and_bad_path(monkeypatch):
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "keys")
     with pytest.raises(ValueError, match="'auto', 'query' or 'key'"):
         sel_kernel._key_path(1, NT)
+
+
+def test_dkv_entry_by_path_and_head_width(monkeypatch):
+    """The dk/dv pass's CONFIG entry, which also sets the index's chunks: "dkv" on the query path, on the key path
+    "key_bwd_small_d" for heads up to SMALL_D wide (Dv counts too), else "key_bwd"."""
+    d = sel_kernel.SMALL_D
+    assert sel_kernel._dkv_entry(False, d, d) == "dkv"
+    assert sel_kernel._dkv_entry(True, d, d) == "key_bwd_small_d"
+    assert sel_kernel._dkv_entry(True, d, 2 * d) == sel_kernel._dkv_entry(True, 2 * d, d) == "key_bwd"
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", "key")
+    monkeypatch.setitem(sel_kernel.CONFIG, "key_bwd", dict(sel_kernel.CONFIG["key_bwd"], rows=16, chunk_rows=64))
+    monkeypatch.setitem(sel_kernel.CONFIG, "key_bwd_small_d", dict(sel_kernel.CONFIG["key_bwd"], chunk_rows=128))
+    assert sel_kernel._plan(100, 4, 2, 3, d, d, 16)[3] == 64 and sel_kernel._plan(100, 4, 2, 3, 2 * d, d, 16)[3] == 32
 
 
 def _compiled_loss(q, k, v, idx, l, backend):
