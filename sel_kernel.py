@@ -468,6 +468,14 @@ def _key_dtype(n):
     return torch.int16 if n < 2 ** 15 else torch.int32 if n < 2 ** 31 else torch.int64
 
 
+def _index_sizes(W, H, NS, NT, sel_block, n_seq, chunk):
+    """Sizes of the reverse index of a window of W tokens: its entries E, its chunks NC (a bound: E / chunk, plus
+    one per (head, block) segment, of which there are at most min(E, H * (NT / l' + n_seq)), plus one) and rev's
+    dtype."""
+    E = W * H * NS
+    return E, E // chunk + min(E, H * (NT // sel_block + n_seq)) + 1, torch.int32 if W * NS < 2 ** 31 else torch.int64
+
+
 def _reverse_index(idx, pos, seq, t0, sel_block, n_seq, chunk):
     """For every (kv head, selected block): the (token, slot) pairs of the token window [t0, t0 + W) that selected
     it, tokens ascending, cut into chunks of `chunk`. idx (W, H, n) int32 cleaned (the window's rows), pos and seq
@@ -487,16 +495,14 @@ def _reverse_index(idx, pos, seq, t0, sel_block, n_seq, chunk):
     key = torch.where(j >= 0, head * NB + blk, H * NB).flatten()               # (E,) invalid -> sentinel, last
     key = key.to(_key_dtype(H * NB))
     key, perm = torch.sort(key, stable=True)                                   # stable: tokens stay ascending
-    rev = (perm // (H * NS) * NS + perm % NS).to(torch.int32 if W * NS < 2 ** 31 else torch.int64)
-    E = key.numel()
+    E, NC, rev_dtype = _index_sizes(W, H, NS, NT, sel_block, n_seq, chunk)
+    rev = (perm // (H * NS) * NS + perm % NS).to(rev_dtype)
     i = torch.arange(E, device=dev)
     new_seg = torch.ones(E, dtype=torch.bool, device=dev)
     new_seg[1:] = key[1:] != key[:-1]
     valid = key < H * NB
     seg_start = torch.searchsorted(key, key)                                   # first entry of each one's block
     is_chunk = valid & (new_seg | ((i - seg_start) % chunk == 0))
-    # chunks <= E / chunk + segments, segments <= min(E, H * (NT / l' + n_seq))
-    NC = E // chunk + min(E, H * NB) + 1
     csum = torch.cumsum(is_chunk, 0)
     c_begin = torch.searchsorted(csum, torch.arange(1, NC + 2, device=dev))   # position of the c-th chunk start
     c_begin = torch.minimum(c_begin, valid.sum())
@@ -556,10 +562,8 @@ def _index_fake(block_indices, sel_block, cu_seqlens, window, chunk):
     new = block_indices.new_empty
     index = [new(NT, H, NS), new(NT), new(NT)]
     for t0, t1 in _windows(NT, window) if NS else []:
-        E = (t1 - t0) * H * NS
-        NC = E // chunk + min(E, H * (NT // sel_block + n_seq)) + 1             # as _reverse_index
-        rev = new(E, dtype=torch.int32 if (t1 - t0) * NS < 2 ** 31 else torch.int64)
-        index += [rev] + [new(NC, dtype=torch.int64) for _ in range(3)] + [new(H * NT) for _ in range(2)]
+        E, NC, rev_dtype = _index_sizes(t1 - t0, H, NS, NT, sel_block, n_seq, chunk)
+        index += [new(E, dtype=rev_dtype)] + [new(NC, dtype=torch.int64) for _ in range(3)] + [new(H * NT), new(H * NT)]
     return index
 
 
