@@ -392,4 +392,5 @@ if master and export and not eval_only:
                                                 step=iter_num, architecture="nanoNSA GPT"))
     log.plot()
 if ddp:
+    dist.barrier()  # the ranks leave together: one that tore down while rank 0 still exported could abort (SIGABRT)
     dist.destroy_process_group()
