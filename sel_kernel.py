@@ -445,11 +445,11 @@ def _query_launch(name, G):
     return M, cfg.pop("union") and M // G > 1, cfg
 
 
-def _pair_tiles(rows, chunk_rows, G):
-    """Rows M of a key-side query tile (M // G reverse-index pairs) and the pairs per reverse-index chunk: about
-    chunk_rows query rows, in whole tiles."""
-    M = tile_m(rows, G)
-    return M, max(M // G, chunk_rows // G // (M // G) * (M // G))
+def _chunk_pairs(rows, chunk_rows, G):
+    """Pairs per reverse-index chunk: about chunk_rows query rows, in whole tiles of the dk/dv kernel (tile_m(rows,
+    G) rows, M // G pairs)."""
+    pairs = tile_m(rows, G) // G
+    return max(pairs, chunk_rows // G // pairs * pairs)
 
 
 def _sum_launch(G, NS, NKC):
@@ -529,7 +529,7 @@ def _plan(NT, HQ, H, NS, D, DV, sel_block):
     c = _sizes(HQ, H, D, DV, sel_block)
     key_path = _key_path(c["G"], NT)
     cfg = CONFIG[_dkv_entry(key_path, D, DV)]
-    chunk = _pair_tiles(cfg["rows"], cfg["chunk_rows"], c["G"])[1]
+    chunk = _chunk_pairs(cfg["rows"], cfg["chunk_rows"], c["G"])
     if not key_path:
         return False, max(NT, 1), 0, chunk
     rows_per_token = HQ * NS * _key_tiles(c, sel_block)[1]
