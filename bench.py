@@ -672,7 +672,7 @@ def layer_sweep(trained):
         lse = cmp(q, kc, vc)[1]
     cmp_f, cmp_fb = fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc, g[..., 0])
     win_f, win_fb = fwd_bwd(win, q, kw, vw, g[..., 2])
-    entry = {name: nsa_kernels.launch_entry(name, hq // H) for name in ("fwd", "dq", "dkv", "select")}
+    entry = {name: nsa_kernels.launch_entry(name, hq // H, max(D, Dv)) for name in ("fwd", "dq", "dkv", "select")}
     ops = {entry["fwd"]: [("cmp fwd", cmp_f), ("win fwd", win_f)],
            entry["dq"]: [("cmp fwd+bwd", cmp_fb), ("win fwd+bwd", win_fb)],
            entry["select"]: [("select", lambda: select(q, kc, lse))]}
@@ -682,7 +682,8 @@ def layer_sweep(trained):
             entry["dq"]: [dict(M=m, BN=n, num_warps=w, num_stages=s) for m, n, w, s in
                           ((128, 64, 8, 2), (128, 32, 4, 2), (128, 64, 4, 3), (64, 64, 4, 2))],
             entry["dkv"]: [dict(M=m, BN=n, num_warps=w, num_stages=s) for m, n, w, s in
-                           ((64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 2))],
+                           ((64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 2),
+                            (64, 64, 4, 3))],
             entry["select"]: [dict(keys_major=False, M=m, num_warps=w, num_stages=2) for m, w in
                               ((256, 8), (128, 8), (128, 4))] +
                              [dict(keys_major=True, tokens=t, num_warps=w, num_stages=s) for t, w, s in

@@ -31,19 +31,21 @@ import triton.language as tl
 
 # launch parameters: M = query rows (whole tokens x their G heads, packed) per program, BN = keys per step; picked on
 # one H100 by bench.py's layer-mode sweep at T = 65536, HQ = 64 (G = 16), H = 4, D = 128, bf16. For G < SMALL_G the
-# "*_small_g" entries replace them (the same sweep, gated, at HQ = 16 and at Track B's shape, T = 8192). keys_major
-# ("select") holds the scores as [compressed keys, query rows]: faster at G = 1..4 (sized there by tokens per
-# program), slower at G = 16.
+# "*_small_g" entries replace them (the same sweep, gated, at HQ = 16 and at Track B's shape, T = 8192), and for heads
+# at most SMALL_D wide the "*_small_d" ones (Track B's shape: D = 64; launch_entry). keys_major ("select") holds the
+# scores as [compressed keys, query rows]: faster at G = 1..4 (sized there by tokens per program), slower at G = 16.
 CONFIG = {
     "fwd": dict(M=128, BN=64, num_warps=4, num_stages=2),
     "fwd_small_g": dict(M=64, BN=64, num_warps=4, num_stages=2),
     "dq": dict(M=128, BN=64, num_warps=8, num_stages=2),
     "dq_small_g": dict(M=64, BN=64, num_warps=4, num_stages=2),
     "dkv": dict(M=128, BN=64, num_warps=8, num_stages=2),
+    "dkv_small_d": dict(M=64, BN=64, num_warps=4, num_stages=3),
     "select": dict(M=256, keys_major=False, num_warps=8, num_stages=2),
     "select_small_g": dict(tokens=32, keys_major=True, num_warps=4, num_stages=2),  # tokens per program, >= 64 rows
 }
 SMALL_G = 8
+SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entries, here and in sel_kernel.py
 DKV_CHUNK = 512  # compressed dk/dv: fewest tokens per query chunk (the grid aims at >= 2048 programs)
 # launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
 # keys per tile, window_keys = ring slots per window program, score_blocks = selection blocks per score program,
@@ -788,16 +790,20 @@ def _sizes(q, k, v, rows):
     return dict(c, M=M), M // c["G"]
 
 
-def launch_entry(name, G):
-    """The CONFIG entry kernel `name` launches with at G query heads per kv head."""
-    return f"{name}_small_g" if G < SMALL_G and f"{name}_small_g" in CONFIG else name
+def launch_entry(name, G, width):
+    """The CONFIG entry kernel `name` launches with at G query heads per kv head and heads width = max(D, Dv) wide:
+    "{name}_small_d" up to SMALL_D wide, else "{name}_small_g" below SMALL_G, where CONFIG has them, else name."""
+    for entry, applies in ((f"{name}_small_d", width <= SMALL_D), (f"{name}_small_g", G < SMALL_G)):
+        if applies and entry in CONFIG:
+            return entry
+    return name
 
 
 def _launch_cfg(name, q, k, v):
     """(M, launch kwargs) for a kernel on q (..., HQ, D), k (..., H, D), v (..., H, Dv): the CONFIG entry of its
-    G = HQ / H; heads wider than 128 halve the tiles so they fit in shared memory."""
-    c = dict(CONFIG[launch_entry(name, q.shape[-2] // k.shape[-2])])
+    G = HQ / H and head width; heads wider than 128 halve the tiles so they fit in shared memory."""
     width = max(q.shape[-1], v.shape[-1])
+    c = dict(CONFIG[launch_entry(name, q.shape[-2] // k.shape[-2], width)])
     M = c.pop("M", 0)
     if width > 128:
         M = max(16, M // 2)
@@ -874,7 +880,7 @@ def _range_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     B, T, HQ, _ = q.shape
     geo, lo, hi, qlo, qhi = _ranges(kind, B, T, k.shape[1], a, b, cu_seqlens, cu_seqlens_cmp, q.device)
     # compressed keys are few (T / d): split each key block's queries into chunks so the dk/dv grid fills the GPU
-    n_key_programs = triton.cdiv(k.shape[0] * k.shape[1], CONFIG["dkv"]["BN"]) * k.shape[2]
+    n_key_programs = triton.cdiv(k.shape[0] * k.shape[1], _launch_cfg("dkv", q, k, v)[1]["BN"]) * k.shape[2]
     n_chunks = 1 if kind == 1 else max(1, min(triton.cdiv(B * T, DKV_CHUNK), triton.cdiv(2048, max(1, n_key_programs))))
     dq, dk, dv, delta = _range_bwd(pack(do), pack(q), pack(k), pack(v), pack_gate(gate), pack(o), pack(lse), geo, lo,
                                    hi, qlo, qhi, scale, n_chunks)

@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_kernels import (attention_op, gate_delta, gate_grad, gate_out, gated_lse, group_rows, head_sizes, load_rows,
-                         pack, pack_gate, sequences, softmax_finish, softmax_rescale, softmax_step, store_rows, tile_m,
-                         tile_rows)
+from nsa_kernels import (SMALL_D, attention_op, gate_delta, gate_grad, gate_out, gated_lse, group_rows, head_sizes,
+                         load_rows, pack, pack_gate, sequences, softmax_finish, softmax_rescale, softmax_step,
+                         store_rows, tile_m, tile_rows)
 
 # Layout of the work (NT = all packed tokens, H kv heads, G = HQ / H query heads per kv head, l' = sel_block, n slots):
 # - forward and dq: query-centric. One program = BT = M // G consecutive tokens x the G heads of one kv group (an
@@ -43,14 +43,13 @@ CONFIG = {
     "dq": dict(rows=16, union=False, num_warps=2, num_stages=2),
     "dkv": dict(rows=64, chunk_rows=16384, num_warps=4, num_stages=3),
     "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by shape
-    "key_fwd": dict(rows=128, num_warps=4, num_stages=2),  # its chunks are key_bwd's (one reverse index)
+    "key_fwd": dict(rows=64, num_warps=4, num_stages=3),  # its chunks are key_bwd's (one reverse index)
     "key_bwd": dict(rows=128, chunk_rows=4096, num_warps=8, num_stages=3),  # dk/dv on the key path (dq partials too)
-    "key_bwd_small_d": dict(rows=64, chunk_rows=2048, num_warps=4, num_stages=3),  # the same, heads <= SMALL_D wide
+    "key_bwd_small_d": dict(rows=64, chunk_rows=2048, num_warps=4, num_stages=3),  # heads <= SMALL_D (nsa_kernels)
     "key_sum": dict(rows=16, num_warps=4),  # the merge of a token's o partials and the sum of its dq partials
 }
 KEY_MAX_G = 4          # "auto" takes the key-centric path for G = HQ / H up to this (RESULTS.md, "Selection paths") ...
 KEY_MIN_TOKENS = 4096  # ... and at least this many packed tokens (below, the reverse-index sort and launches show)
-SMALL_D = 64           # heads at most this wide take "key_bwd_small_d" (smaller tiles were faster there)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -218,7 +218,7 @@ def test_captured_replay_matches_eager(bench):
 @pytest.mark.parametrize("hq", (4, 64))
 def test_layer_sweep_varies_the_entries_its_g_takes(bench, monkeypatch, capsys, hq):
     """At G < nsa_kernels.SMALL_G the layer sweep varies the *_small_g entries that the kernels then read, else the
-    others; the branches are timed with their gate; CONFIG is as before afterwards."""
+    others (and *_small_d ones for narrow heads); the branches are timed with their gate; CONFIG is as before afterwards."""
     import nsa_kernels
     before = {k: dict(v) for k, v in nsa_kernels.CONFIG.items()}
     changed, n_inputs = set(), []
@@ -237,7 +237,8 @@ def test_layer_sweep_varies_the_entries_its_g_takes(bench, monkeypatch, capsys, 
     monkeypatch.setattr(bench, "layer_hq", (hq,))
     bench.layer_sweep(None)
     small = hq // bench.H < nsa_kernels.SMALL_G
-    assert changed == ({"fwd_small_g", "dq_small_g", "dkv", "select_small_g"} if small else
-                       {"fwd", "dq", "dkv", "select"})
+    dkv = "dkv_small_d" if max(bench.D, bench.Dv) <= nsa_kernels.SMALL_D else "dkv"
+    assert changed == ({"fwd_small_g", "dq_small_g", dkv, "select_small_g"} if small else
+                       {"fwd", "dq", dkv, "select"})
     assert n_inputs == [4, 4]                                                 # q, k, v and the gate
     assert nsa_kernels.CONFIG == before and "failed" not in capsys.readouterr().out

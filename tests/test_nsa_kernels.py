@@ -182,7 +182,7 @@ def test_gated_matches_reference(branch):
 def test_small_tiles_masked_and_unmasked_steps(monkeypatch):
     """16-row / 16-key tiles, so every kernel has key (or query) steps that all its rows read in full, which skip
     the mask, between masked first and last steps; and dk/dv split into query chunks."""
-    for name in ("fwd", "dq", "dkv"):
+    for name in [n for n in nk.CONFIG if not n.startswith("select")]:     # every entry any G or width takes
         monkeypatch.setitem(nk.CONFIG, name, dict(M=16, BN=16, num_warps=4, num_stages=1))
     monkeypatch.setattr(nk, "DKV_CHUNK", 40)
     out, ref = run_cmp(1, 150, 4, 2, 32, 32, 8, 4, torch.float32, seed=12)
@@ -192,6 +192,16 @@ def test_small_tiles_masked_and_unmasked_steps(monkeypatch):
     cu = torch.tensor([0, 70, 150], dtype=torch.int32)
     out, ref = run_win(1, 150, 6, 2, 32, 32, 40, torch.float32, seed=13, cu=cu)
     check(out, ref, 1e-5, WIN_NAMES)
+
+
+def test_launch_entry_by_width_then_group():
+    """Heads up to SMALL_D wide take a kernel's *_small_d entry where CONFIG has one, else groups below SMALL_G its
+    *_small_g entry where it has one, else the kernel's own entry; and the range kernels launch with it."""
+    d, g = nk.SMALL_D, nk.SMALL_G
+    assert nk.launch_entry("dkv", g, d) == "dkv_small_d" and nk.launch_entry("dkv", 1, d + 1) == "dkv"
+    assert nk.launch_entry("fwd", 1, d) == "fwd_small_g" and nk.launch_entry("fwd", g, d) == "fwd"
+    q, k = torch.zeros(1, 1, 2 * g, d), torch.zeros(1, 1, 2, d)
+    assert nk._launch_cfg("dkv", q, k, k)[0] == nk.CONFIG["dkv_small_d"]["M"]
 
 
 # (B, T, HQ, H, D, l, d, l', n, n_init, n_local): forced blocks on/off, fewer candidates than n (-1 padding),
