@@ -28,8 +28,9 @@ from nsa_kernels import (SMALL_D, attention_op, gate_delta, gate_grad, gate_out,
 #   window at a time (KEY_WINDOW_ROWS): each window gets the reverse index of its own pairs, and dk/dv add up over
 #   the windows in window order.
 # - the ids' index is built once per call, before the forward, by the op nsa::sel_index, and kept for the backward:
-#   the ids cleaned by a small kernel (out of [0, t // l'] or repeating an earlier slot's -> -1) and each window's
-#   reverse index.
+#   the ids cleaned by a small kernel (out of [0, t // l'] or repeating an earlier slot's -> -1), which also writes
+#   each pair's sort key, and each window's reverse index: one sort of its keys, then lists and chunks found by
+#   binary search at the granularity of blocks and chunks (no pass over the pairs but the sort).
 # The file reads: inner loops -> kernels -> host launchers (_fwd, _bwd) -> ops -> selection_attention_triton.
 
 KEY_WINDOW_ROWS = 2 ** 23  # key path: per-pair partial rows (token x query head x slot x sub-block) held at once;
@@ -223,7 +224,7 @@ def _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT, H: tl.constexpr,
 
 
 @triton.jit
-def _key_pairs(q, rev, pos, e, e1, i_h, T0, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+def _key_pairs(q, perm, pos, e, e1, i_h, T0, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
                BD: tl.constexpr, NS: tl.constexpr):
     """Pairs [e, e + M // G) of a reverse-index chunk ending at e1 (of the token window from T0) as the M rows (pair,
     head) of a query tile: their tokens, row mask, token offsets and heads (as tile_rows), positions, Q tile [M, BD]
@@ -232,17 +233,17 @@ def _key_pairs(q, rev, pos, e, e1, i_h, T0, H: tl.constexpr, G: tl.constexpr, M:
     p_r, g_r, m_g = group_rows(M, G)
     e_r = e + p_r                                                          # [M] entry of each row, then the G heads
     m_e = m_g & (e_r < e1)
-    ts = tl.load(rev + e_r, mask=m_e, other=0)                             # [M] token * n + slot, tokens ascending
-    t_w = ts // NS                                                         # [M] token inside the window
+    pair = tl.load(perm + e_r, mask=m_e, other=0)                         # [M] (token in window * H + head) * n + slot
+    t_w = pair // (H * NS)                                                 # [M] token inside the window, ascending
     t_r = T0 + t_w
     m_r, t_off, hq_r = tile_rows(t_r, g_r, m_e, i_h, H, G)
     rel_r = tl.load(pos + t_r, mask=m_e, other=-1)                         # [M] positions inside the sequences
-    pr = (t_w.to(tl.int64) * (H * G) + hq_r) * NS + ts % NS
+    pr = (t_w.to(tl.int64) * (H * G) + hq_r) * NS + pair % NS
     return t_r, m_r, t_off, hq_r, rel_r, load_rows(q, t_off + hq_r, m_r, D, BD), pr
 
 
 @triton.jit
-def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, rev, c_begin, c_end, c_key, dk_part, dv_part, dq_part, pos,
+def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part, dq_part, pos,
                         scale_log2, scale, NT, T0, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
                         DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                         BSP: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr, WRITE_DQ: tl.constexpr):
@@ -254,7 +255,7 @@ def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, rev, c_begin, c_end, c_key, dk_
     b_dk = tl.zeros([BK, BD], tl.float32)
     b_dv = tl.zeros([BK, BDV], tl.float32)
     for e in range(e0, e1, M // G):
-        t_r, m_r, t_off, hq_r, rel_r, b_q, pr = _key_pairs(q, rev, pos, e, e1, i_h, T0, H, G, M, D, BD, NS)
+        t_r, m_r, t_off, hq_r, rel_r, b_q, pr = _key_pairs(q, perm, pos, e, e1, i_h, T0, H, G, M, D, BD, NS)
         b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                    # [M, BDV]
         b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.)
         b_delta = tl.load(delta + t_off + hq_r, mask=m_r, other=0.)
@@ -273,7 +274,7 @@ def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, rev, c_begin, c_end, c_key, dk_
 
 
 @triton.jit
-def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT,
+def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seq, seg_c0, seg_c1, NT, NB,
                            H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                            BS: tl.constexpr, BSP: tl.constexpr, BR: tl.constexpr, ADD: tl.constexpr):
     """dk/dv of each key = its block's chunk partials summed in chunk order; ADD: added to what dk/dv hold (the
@@ -282,9 +283,9 @@ def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT,
     u = i_r * BR + tl.arange(0, BR)                       # [BR] global key tokens
     m_u = u < NT
     off = tl.load(pos + u, mask=m_u, other=0) % BS        # row inside its selection block
-    key = i_h * NT + u.to(tl.int64) - off                 # that block's (head, start) key
-    c0 = tl.load(seg_c0 + key, mask=m_u, other=0)         # its chunks: [c0, c1), summed in this order
-    c1 = tl.load(seg_c1 + key, mask=m_u, other=0)
+    blk = i_h * NB + (u - off) // BS + tl.load(seq + u, mask=m_u, other=0)  # (head, block number), as _clean_kernel
+    c0 = tl.load(seg_c0 + blk, mask=m_u, other=0)         # its chunks: [c0, c1), summed in this order
+    c1 = tl.load(seg_c1 + blk, mask=m_u, other=0)
     b_dk = tl.zeros([BR, BD], tl.float32)
     b_dv = tl.zeros([BR, BDV], tl.float32)
     for c in range(0, tl.max(c1 - c0)):
@@ -316,7 +317,7 @@ def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seg_c0, seg_c1, NT,
 # of another sequence are never loaded.
 
 @triton.jit
-def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, rev, c_begin, c_end, c_key, pos, scale_log2, NT, T0,
+def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, perm, c_begin, c_end, c_key, pos, scale_log2, NT, T0,
                         H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                         D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                         BS: tl.constexpr, BK: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr):
@@ -326,7 +327,7 @@ def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, rev, c_begin, c_end, c_key, p
     e0, e1, i_h, rel_k, m_k, b_k, b_v = _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT,
                                                    H, D, DV, BD, BDV, BS, BK)
     for e in range(e0, e1, M // G):
-        t_r, m_r, t_off, hq_r, rel_r, b_q, pr = _key_pairs(q, rev, pos, e, e1, i_h, T0, H, G, M, D, BD, NS)
+        t_r, m_r, t_off, hq_r, rel_r, b_q, pr = _key_pairs(q, perm, pos, e, e1, i_h, T0, H, G, M, D, BD, NS)
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
         m_s = m_r[:, None] & m_k[None, :] & (rel_k[None, :] <= rel_r[:, None])  # causal inside the block
         m_i, l_i, acc = softmax_step(tl.where(m_s, b_s, float("-inf")), b_v, tl.full([M], float("-inf"), tl.float32),
@@ -389,32 +390,50 @@ def _sel_key_dq_kernel(dq_part, idx, dq, T0, T1, H: tl.constexpr, G: tl.constexp
 
 
 @triton.jit
-def _clean_kernel(idx, out, pos, NR, H: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, BS: tl.constexpr,
-                  BR: tl.constexpr):
-    """BR rows (token, kv head) of ids: -1 where an id is outside [0, t // l'] or equals an earlier slot's."""
+def _clean_kernel(idx, out, key, pos, seq, NR, NB, H: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr,
+                  BS: tl.constexpr, BR: tl.constexpr):
+    """BR rows (token, kv head) of ids: -1 where an id is outside [0, t // l'] or equals an earlier slot's; and each
+    slot's reverse-index sort key: kv head * NB + the block's number (its first token // l' + the token's sequence:
+    distinct and ascending over all blocks), H * NB (sorted last) for -1."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)                            # [BR] rows
+    m_r = r < NR
     o_s = tl.arange(0, BNS)
-    m = (r < NR)[:, None] & (o_s < NS)[None, :]
-    ptrs = idx + r.to(tl.int64)[:, None] * NS + o_s[None, :]
-    j = tl.load(ptrs, mask=m, other=-1)                                     # [BR, BNS]
-    last = tl.load(pos + r // H, mask=r < NR, other=0) // BS                # [BR] the token's own block
+    m = m_r[:, None] & (o_s < NS)[None, :]
+    off = r.to(tl.int64)[:, None] * NS + o_s[None, :]
+    j = tl.load(idx + off, mask=m, other=-1)                                # [BR, BNS]
+    t = r // H                                                              # [BR] tokens
+    rel = tl.load(pos + t, mask=m_r, other=0)
     earlier = (j[:, :, None] == j[:, None, :]) & (o_s[None, :, None] > o_s[None, None, :])   # [BR, BNS, BNS]
-    ok = (j >= 0) & (j <= last[:, None]) & (tl.max(earlier.to(tl.int32), 2) == 0)
-    tl.store(out + r.to(tl.int64)[:, None] * NS + o_s[None, :], tl.where(ok, j, -1), mask=m)
+    ok = (j >= 0) & (j <= (rel // BS)[:, None]) & (tl.max(earlier.to(tl.int32), 2) == 0)
+    tl.store(out + off, tl.where(ok, j, -1), mask=m)
+    blk = ((t - rel) // BS + tl.load(seq + t, mask=m_r, other=0))[:, None] + j   # [BR, BNS] first token // l' + seq
+    tl.store(key + off, tl.where(ok, (r % H)[:, None] * NB + blk, H * NB), mask=m)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # host launchers (no host syncs: every size below comes from shapes, so torch.compile and CUDA graphs can capture them)
 
-def _clean_indices(idx, pos, sel_block):
+def _num_blocks(NT, sel_block, n_seq):
+    """A bound on the selection blocks of NT packed tokens in n_seq sequences (their numbers are below it)."""
+    return NT // sel_block + n_seq
+
+
+def _key_dtype(n):
+    """The smallest signed integer dtype that holds 0..n (a radix sort takes one pass per byte)."""
+    return torch.int16 if n < 2 ** 15 else torch.int32 if n < 2 ** 31 else torch.int64
+
+
+def _clean_indices(idx, pos, seq, sel_block, NB):
     """(NT, H, n) ids made valid and unique in place of each slot: ids outside [0, t // l'] and repeats of an earlier
-    slot's id -> -1 (the keys are a union of blocks, so a repeated id counts once)."""
+    slot's id -> -1 (the keys are a union of blocks, so a repeated id counts once). Also returns each slot's sort key
+    (NT * H * n,) for the reverse index: kv head * NB + block number, H * NB for -1, in the smallest dtype."""
     NT, H, NS = idx.shape
     out = torch.empty_like(idx)
+    key = torch.empty(idx.numel(), device=idx.device, dtype=_key_dtype(H * NB))
     if idx.numel():
-        _clean_kernel[(triton.cdiv(NT * H, 64),)](idx, out, pos, NT * H, H=H, NS=NS, BNS=triton.next_power_of_2(NS),
-                                                  BS=sel_block, BR=64)
-    return out
+        _clean_kernel[(triton.cdiv(NT * H, 64),)](idx, out, key, pos, seq, NT * H, NB, H=H, NS=NS,
+                                                  BNS=triton.next_power_of_2(NS), BS=sel_block, BR=64)
+    return out, key
 
 
 def _sizes(HQ, H, D, DV, sel_block):
@@ -462,56 +481,40 @@ def _windows(NT, W):
     return [(t0, min(NT, t0 + W)) for t0 in range(0, NT, W)]
 
 
-def _key_dtype(n):
-    """The smallest signed integer dtype that holds 0..n (a radix sort takes one pass per byte)."""
-    return torch.int16 if n < 2 ** 15 else torch.int32 if n < 2 ** 31 else torch.int64
-
-
-def _index_sizes(W, H, NS, NT, sel_block, n_seq, chunk):
+def _index_sizes(W, H, NS, NB, chunk):
     """Sizes of the reverse index of a window of W tokens: its entries E, its chunks NC (a bound: E / chunk, plus
-    one per (head, block) segment, of which there are at most min(E, H * (NT / l' + n_seq)), plus one) and rev's
-    dtype."""
+    one per (head, block) list, of which there are at most min(E, H * NB)) and perm's dtype (int32 where it fits:
+    the kernels divide it by constants, which 32-bit integers do several times faster)."""
     E = W * H * NS
-    return E, E // chunk + min(E, H * (NT // sel_block + n_seq)) + 1, torch.int32 if W * NS < 2 ** 31 else torch.int64
+    return E, E // chunk + min(E, H * NB), torch.int32 if E < 2 ** 31 else torch.int64
 
 
-def _reverse_index(idx, pos, seq, t0, sel_block, n_seq, chunk):
+def _reverse_index(key, idx, pos, t0, sel_block, NB, chunk):
     """For every (kv head, selected block): the (token, slot) pairs of the token window [t0, t0 + W) that selected
-    it, tokens ascending, cut into chunks of `chunk`. idx (W, H, n) int32 cleaned (the window's rows), pos and seq
-    (NT,) int32 (all tokens' positions and sequences). Returns rev (E,) = token in the window * n + slot (int32 where
-    it fits), per chunk begin/end/key (NC,) (key = kv head * NT + the block's first token), and per (head, block
-    start token) the chunk range seg_c0/seg_c1 (H*NT,). O(W*H*n + H*NT) memory, no host sync."""
+    it, tokens ascending, cut into chunks of `chunk`. key (W * H * n,) the window's sort keys and idx (W, H, n) its
+    cleaned ids (_clean_indices), pos (NT,) int32 all tokens' positions. Returns perm (E,) (each entry's (token in
+    the window, kv head, slot), flat, in list order), per chunk begin/end/key (NC,) (key = kv head * NT + the
+    block's first token; chunks ordered by key, unused ones empty and last), and per (head, block number) its chunks
+    [seg_c0, seg_c1) (H * NB,). One sort of E keys, the rest on lists and chunks; no host sync."""
     W, H, NS = idx.shape
     NT, dev = pos.numel(), idx.device
-    j = idx.long()                                                             # cleaned: valid or -1
-    bos = torch.arange(t0, t0 + W, device=dev) - pos[t0:t0 + W].long()        # (W,) the tokens' sequence starts
-    kst = bos[:, None, None] + j * sel_block                                   # (W, H, n) block start tokens
-    head = torch.arange(H, device=dev)[None, :, None]
-    # sorted by (kv head, block number); block number = kst // l' + sequence, one per block, ascending with kst and
-    # small: int16 keys where they fit take half the radix passes of int32
-    NB = NT // sel_block + n_seq
-    blk = kst // sel_block + seq[t0:t0 + W].long()[:, None, None]
-    key = torch.where(j >= 0, head * NB + blk, H * NB).flatten()               # (E,) invalid -> sentinel, last
-    key = key.to(_key_dtype(H * NB))
+    E, NC, perm_dtype = _index_sizes(W, H, NS, NB, chunk)
     key, perm = torch.sort(key, stable=True)                                   # stable: tokens stay ascending
-    E, NC, rev_dtype = _index_sizes(W, H, NS, NT, sel_block, n_seq, chunk)
-    rev = (perm // (H * NS) * NS + perm % NS).to(rev_dtype)
-    i = torch.arange(E, device=dev)
-    new_seg = torch.ones(E, dtype=torch.bool, device=dev)
-    new_seg[1:] = key[1:] != key[:-1]
-    valid = key < H * NB
-    seg_start = torch.searchsorted(key, key)                                   # first entry of each one's block
-    is_chunk = valid & (new_seg | ((i - seg_start) % chunk == 0))
-    csum = torch.cumsum(is_chunk, 0)
-    c_begin = torch.searchsorted(csum, torch.arange(1, NC + 2, device=dev))   # position of the c-th chunk start
-    c_begin = torch.minimum(c_begin, valid.sum())
-    c_end, c_begin = c_begin[1:].clone(), c_begin[:-1]                        # clone: no two outputs share memory
-    first = perm[c_begin.clamp(max=E - 1)]                                     # (NC,) a chunk's first pair, unsorted
-    c_key = torch.where(c_begin < c_end, (head * NT + kst).flatten()[first], H * NT)  # sorted; empty chunks last
-    blocks = (torch.arange(H, device=dev)[:, None] * NT + torch.arange(NT, device=dev)[None, :]).flatten()
-    seg_c0 = torch.searchsorted(c_key, blocks).to(torch.int32)                 # (H*NT,) for keys that start a block
-    seg_c1 = torch.searchsorted(c_key, blocks, right=True).to(torch.int32)
-    return rev, c_begin, c_end, torch.where(c_begin < c_end, c_key, 0), seg_c0, seg_c1
+    seg = torch.searchsorted(key, torch.arange(H * NB + 1, device=dev, dtype=key.dtype))   # (H*NB+1,) list starts
+    n_chunks = (seg[1:] - seg[:-1] + chunk - 1) // chunk                       # (H*NB,) chunks of each list
+    seg_c1 = torch.cumsum(n_chunks, 0)
+    seg_c0 = seg_c1 - n_chunks
+    c = torch.arange(NC, device=dev)
+    lst = torch.searchsorted(seg_c1, c, right=True)                            # (NC,) each chunk's list
+    used = lst < H * NB
+    lst = lst.clamp(max=H * NB - 1)
+    c_begin = torch.where(used, seg[lst] + (c - seg_c0[lst]) * chunk, 0)
+    c_end = torch.where(used, torch.minimum(c_begin + chunk, seg[lst + 1]), 0)
+    first = perm[c_begin]                                                      # a chunk's first pair
+    t = t0 + first // (H * NS)
+    kst = t - pos[t] + idx.flatten()[first] * sel_block                        # its block's first token
+    c_key = torch.where(used, first // NS % H * NT + kst, 0)
+    return perm.to(perm_dtype), c_begin, c_end, c_key, seg_c0.to(torch.int32), seg_c1.to(torch.int32)
 
 
 def _dkv_entry(key_path, D, DV):
@@ -546,11 +549,12 @@ def _index(block_indices: torch.Tensor, sel_block: int, cu_seqlens: Optional[tor
     B, T, H, NS = block_indices.shape
     cu, seq, pos = sequences(B, T, cu_seqlens, block_indices.device)
     pos, seq = pos.to(torch.int32), seq.to(torch.int32)
-    idx = _clean_indices(pack(block_indices), pos, sel_block)
+    NB = _num_blocks(B * T, sel_block, cu.numel() - 1)
+    idx, key = _clean_indices(pack(block_indices), pos, seq, sel_block, NB)
     index = [idx, pos, seq]
     if NS:
         for t0, t1 in _windows(B * T, window):
-            index += _reverse_index(idx[t0:t1], pos, seq, t0, sel_block, cu.numel() - 1, chunk)
+            index += _reverse_index(key[t0 * H * NS:t1 * H * NS], idx[t0:t1], pos, t0, sel_block, NB, chunk)
     return index
 
 
@@ -560,9 +564,10 @@ def _index_fake(block_indices, sel_block, cu_seqlens, window, chunk):
     NT, n_seq = B * T, B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     new = block_indices.new_empty
     index = [new(NT, H, NS), new(NT), new(NT)]
+    NB = _num_blocks(NT, sel_block, n_seq)
     for t0, t1 in _windows(NT, window) if NS else []:
-        E, NC, rev_dtype = _index_sizes(t1 - t0, H, NS, NT, sel_block, n_seq, chunk)
-        index += [new(E, dtype=rev_dtype)] + [new(NC, dtype=torch.int64) for _ in range(3)] + [new(H * NT), new(H * NT)]
+        E, NC, perm_dtype = _index_sizes(t1 - t0, H, NS, NB, chunk)
+        index += [new(E, dtype=perm_dtype)] + [new(NC, dtype=torch.int64) for _ in range(3)] + [new(H * NB), new(H * NB)]
     return index
 
 
@@ -591,8 +596,8 @@ def _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_l
     o = torch.empty(NT, HQ, DV, device=qf.device, dtype=qf.dtype)
     lse = torch.empty(NT, HQ, device=qf.device, dtype=torch.float32)
     M_sum, sum_cfg = _sum_launch(c["G"], NS, NKC)
-    for (t0, t1), (rev, c_begin, c_end, c_key, _, _) in zip(windows, per_window):
-        _sel_key_fwd_kernel[(c_begin.numel(), NKC)](qf, kf, vf, o_part, lse_part, rev, c_begin, c_end, c_key, pos,
+    for (t0, t1), (perm, c_begin, c_end, c_key, _, _) in zip(windows, per_window):
+        _sel_key_fwd_kernel[(c_begin.numel(), NKC)](qf, kf, vf, o_part, lse_part, perm, c_begin, c_end, c_key, pos,
                                                     scale_log2, NT, t0, M=M, NKC=NKC, NS=NS, **c, **cfg)
         _sel_key_merge_kernel[(triton.cdiv(t1 - t0, M_sum // c["G"]), c["H"])](
             o_part, lse_part, idx, o, lse, gf, t0, t1, H=c["H"], G=c["G"], M=M_sum, DV=DV, BDV=c["BDV"], NS=NS,
@@ -612,7 +617,7 @@ def _prepare(q, k, v, block_indices, sel_block, cu_seqlens, index):
     if per_window is None:
         index = _index(block_indices, sel_block, cu_seqlens, W, chunk)
         per_window = _window_index(index, windows, H, NS)
-    return c, NS, key_path, windows, rows, per_window, pack(q), pack(k), pack(v), index[0], index[1]
+    return c, NS, key_path, windows, rows, per_window, pack(q), pack(k), pack(v), *index[:3]
 
 
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch.Tensor], block_indices: torch.Tensor,
@@ -622,8 +627,8 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
     NT, DV = B * T, v.shape[3]
     if NT == 0 or block_indices.shape[3] == 0:  # nothing to attend to: o = 0, lse = -inf
         return q.new_zeros(B, T, HQ, DV), q.new_full((B, T, HQ), float("-inf"), dtype=torch.float32)
-    c, NS, key_path, windows, rows, per_window, qf, kf, vf, idx, pos = _prepare(q, k, v, block_indices, sel_block,
-                                                                              cu_seqlens, index)
+    c, NS, key_path, windows, rows, per_window, qf, kf, vf, idx, pos, _ = _prepare(q, k, v, block_indices,
+                                                                                 sel_block, cu_seqlens, index)
     gf = pack_gate(gate)
     scale_log2 = scale * math.log2(math.e)
     if key_path:
@@ -647,8 +652,8 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     if NT == 0 or block_indices.shape[3] == 0:  # no key anywhere (o = 0): all gradients are zero
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 gate_grad(q.new_zeros(B, T, HQ, dtype=torch.float32), gate))
-    c, NS, key_path, windows, rows, per_window, qf, kf, vf, idx, pos = _prepare(q, k, v, block_indices, sel_block,
-                                                                              cu_seqlens, index)
+    c, NS, key_path, windows, rows, per_window, qf, kf, vf, idx, pos, seq = _prepare(q, k, v, block_indices,
+                                                                                   sel_block, cu_seqlens, index)
     of, dof = o.reshape(NT, HQ, DV).contiguous(), do.reshape(NT, HQ, DV).contiguous()
     H = c["H"]
     scale_log2 = scale * math.log2(math.e)
@@ -673,19 +678,19 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     dk, dv = torch.empty_like(kf), torch.empty_like(vf)
     dk_sum, dv_sum = (dk, dv) if len(windows) == 1 else (torch.empty_like(kf, dtype=torch.float32),  # windows add
                                                           torch.empty_like(vf, dtype=torch.float32))  # up in fp32
-    for (t0, t1), (rev, c_begin, c_end, c_key, seg_c0, seg_c1) in zip(windows, per_window):
+    for (t0, t1), (perm, c_begin, c_end, c_key, seg_c0, seg_c1) in zip(windows, per_window):
         NC = c_begin.numel()
         dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
         dv_part = torch.empty(NC, BSP, DV, device=q.device, dtype=torch.float32)
-        _sel_bwd_dkv_kernel[(NC, NKC)](qf, kf, vf, dof, lse, delta, rev, c_begin, c_end, c_key, dk_part, dv_part,
+        _sel_bwd_dkv_kernel[(NC, NKC)](qf, kf, vf, dof, lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part,
                                        dq_part, pos, scale_log2, scale, NT, t0, M=M, BSP=BSP, NKC=NKC, NS=NS,
                                        WRITE_DQ=key_path, **c_kv, **cfg)
         if key_path:
             _sel_key_dq_kernel[(triton.cdiv(t1 - t0, M_sum // c["G"]), H)](dq_part, idx, dq, t0, t1, H=H, G=c["G"],
                                                                           M=M_sum, D=D, BD=c["BD"], NS=NS, NKC=NKC,
                                                                           **sum_cfg)
-        _sel_bwd_reduce_kernel[(triton.cdiv(NT, 32), H)](dk_part, dv_part, dk_sum, dv_sum, pos, seg_c0, seg_c1, NT,
-                                                         H=H, D=D, DV=DV, BD=c["BD"], BDV=c["BDV"], BS=sel_block,
+        _sel_bwd_reduce_kernel[(triton.cdiv(NT, 32), H)](dk_part, dv_part, dk_sum, dv_sum, pos, seq, seg_c0, seg_c1,
+                                                         NT, seg_c0.numel() // H, H=H, D=D, DV=DV, BD=c["BD"], BDV=c["BDV"], BS=sel_block,
                                                          BSP=BSP, BR=32, ADD=t0 > 0)
     if dk_sum is not dk:
         dk.copy_(dk_sum)

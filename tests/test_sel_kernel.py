@@ -224,12 +224,12 @@ def test_varlen_never_reads_the_next_sequence(path):
 
 
 def test_no_unwritten_outputs_nan_poison(path, monkeypatch):
-    """Every buffer the op allocates (partials included) starts as NaN (ints as a huge negative): the outputs, the
-    saved lse and the grads must still be finite and right, so no unwritten element is ever read."""
+    """Every buffer the op allocates (partials included) starts as NaN (ints as their most negative value): the
+    outputs, the saved lse and the grads must still be finite and right, so no unwritten element is ever read."""
     empty, empty_like = torch.empty, torch.empty_like
 
     def poison(x):
-        return x.fill_(float("nan")) if x.is_floating_point() else x.fill_(-(1 << 30))
+        return x.fill_(float("nan")) if x.is_floating_point() else x.fill_(torch.iinfo(x.dtype).min)
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
@@ -316,40 +316,64 @@ def test_duplicate_ids_count_once(path):
 
 def test_clean_indices_keeps_each_valid_id_once_in_its_slot():
     """_clean_indices against a loop: ids outside [0, t // l'] and repeats of an earlier slot's id -> -1, the rest in
-    place, whatever order the slots come in."""
-    NT, H, n, l = 37, 3, 16, 4
+    place, whatever order the slots come in; each slot's sort key kv head * NB + block number (the block's first
+    token // l' + its sequence), H * NB for -1."""
+    NT, H, n, l, NB = 37, 3, 16, 4, 99
     g = torch.Generator().manual_seed(11)
     idx = torch.randint(-3, 12, (NT, H, n), generator=g, dtype=torch.int32)
-    pos = torch.randint(0, 40, (NT,), generator=g, dtype=torch.int32)
-    out = sel_kernel._clean_indices(idx, pos, l)
-    want = torch.full_like(idx, -1)
+    seq = (torch.arange(NT) >= 21).int()                                       # two sequences: [0, 21), [21, 37)
+    pos = (torch.arange(NT) - 21 * seq).int()
+    out, key = sel_kernel._clean_indices(idx, pos, seq, l, NB)
+    want, want_key = torch.full_like(idx, -1), torch.full((NT, H, n), H * NB)
     for t in range(NT):
         for h in range(H):
             seen = set()
             for s, j in enumerate(idx[t, h].tolist()):
                 if 0 <= j <= pos[t] // l and j not in seen:
                     want[t, h, s] = j
+                    want_key[t, h, s] = h * NB + (t - pos[t] + j * l) // l + seq[t]
                 seen.add(j)
     assert (want == -1).any() and (want >= 0).any() and torch.equal(out, want)
+    assert key.dtype == torch.int16 and torch.equal(key.long(), want_key.flatten())
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_reverse_index_same_with_wider_sort_keys(dtype, monkeypatch):
-    """_reverse_index sorts int16 keys where they fit (every CPU test's size); int32 and int64 keys, which large
-    inputs take, give the same index (var-length, a token window that starts mid-sequence)."""
+def test_reverse_index_lists_each_blocks_pairs_in_token_order(monkeypatch):
+    """Against a loop, var-length, windows that start mid-sequence: each used chunk holds at most `chunk` (token,
+    slot) pairs of one (kv head, block), its c_key; a block's chunks are consecutive, hold every pair that chose it,
+    tokens ascending, and are its [seg_c0, seg_c1) (empty for a block nobody chose); unused chunks are empty and
+    last. The int16 sort keys of every CPU size and the int32 / int64 ones of large inputs give the same index."""
     cu = torch.tensor([0, 70, 75, 200], dtype=torch.int32)
-    T, H, n, l = 200, 3, 4, 16
+    T, H, n, l, chunk, W = 200, 3, 4, 16, 7, 90
     idx = random_indices(1, T, H, n, l, seed=12, cu_seqlens=cu)
-    cleaned, pos, seq = sel_kernel._index(idx, l, cu, T, 7)[:3]
-    args = (cleaned[50:150], pos, seq, 50, l, cu.numel() - 1, 7)
-    want = sel_kernel._reverse_index(*args)
-    rev, c_begin, c_end, c_key = want[:4]
-    chunks = c_begin < c_end
-    assert sel_kernel._key_dtype(H * (T // l + cu.numel() - 1)) == torch.int16
-    assert chunks.sum() > c_key[chunks].unique().numel() > H * 3                # blocks of 3 sequences, some cut
-    monkeypatch.setattr(sel_kernel, "_key_dtype", lambda n: dtype)
-    for a, b in zip(sel_kernel._reverse_index(*args), want):
-        assert torch.equal(a, b)
+    index = sel_kernel._index(idx, l, cu, W, chunk)
+    cleaned, pos, seq = index[:3]
+    NB = index[7].numel() // H
+    for w, t0 in enumerate(range(0, T, W)):
+        perm, c_begin, c_end, c_key, seg_c0, seg_c1 = index[3 + 6 * w:9 + 6 * w]
+        want = {}                                                               # c_key -> its pairs, loop order
+        for t in range(t0, min(T, t0 + W)):
+            for h in range(H):
+                for s in range(n):
+                    if (j := int(cleaned[t, h, s])) >= 0:
+                        want.setdefault(h * T + t - int(pos[t]) + j * l, []).append(((t - t0) * H + h) * n + s)
+        used = c_begin < c_end
+        assert used.sum() > len(want) > H * 3 and not used[int(used.sum()):].any()   # some blocks cut in chunks
+        assert ((c_end - c_begin) <= chunk).all() and c_key[used].diff().ge(0).all()
+        got = {}
+        for c in range(int(used.sum())):
+            got.setdefault(int(c_key[c]), []).append(c)
+        assert sorted(got) == sorted(want)
+        listed = torch.zeros(H * NB, dtype=torch.bool)
+        for key, chunks in got.items():
+            assert sum((perm[c_begin[c]:c_end[c]].tolist() for c in chunks), []) == want[key]
+            h, kst = divmod(key, T)
+            blk = h * NB + kst // l + int(seq[kst])
+            assert chunks == list(range(int(seg_c0[blk]), int(seg_c1[blk])))
+            listed[blk] = True
+        assert (seg_c0[~listed] == seg_c1[~listed]).all()
+    for dtype in (torch.int32, torch.int64):
+        monkeypatch.setattr(sel_kernel, "_key_dtype", lambda n: dtype)
+        assert all(torch.equal(a, b) for a, b in zip(sel_kernel._index(idx, l, cu, W, chunk), index))
 
 
 @pytest.mark.parametrize("windows", [1, 3])
