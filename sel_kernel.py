@@ -49,7 +49,7 @@ CONFIG = {
     "key_bwd_small_d": dict(rows=64, chunk_rows=2048, num_warps=4, num_stages=3),  # heads <= SMALL_D (nsa_kernels)
     "key_sum": dict(rows=16, num_warps=4),  # the merge of a token's o partials and the sum of its dq partials
 }
-KEY_MAX_G = 4          # "auto" takes the key-centric path for G = HQ / H up to this (RESULTS.md, "Selection paths") ...
+KEY_MAX_G = 8          # "auto" takes the key-centric path for G = HQ / H up to this (RESULTS.md, "Selection paths") ...
 KEY_MIN_TOKENS = 4096  # ... and at least this many packed tokens (below, the reverse-index sort and launches show)
 
 
