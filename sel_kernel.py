@@ -49,8 +49,7 @@ CONFIG = {
     "key_bwd_small_d": dict(rows=64, chunk_rows=2048, num_warps=4, num_stages=3),  # heads <= SMALL_D (nsa_kernels)
     "key_sum": dict(rows=16, num_warps=4),  # the merge of a token's o partials and the sum of its dq partials
 }
-KEY_MAX_G = 8          # "auto" takes the key-centric path for G = HQ / H up to this (RESULTS.md, "Selection paths") ...
-KEY_MIN_TOKENS = 4096  # ... and at least this many packed tokens (below, the reverse-index sort and launches show)
+KEY_MAX_G = 8  # "auto" takes the key-centric path for G = HQ / H up to this, at any length (RESULTS.md)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -447,12 +446,12 @@ def _key_tiles(c, sel_block):
     return dict(c, BK=BK), triton.cdiv(sel_block, BK)
 
 
-def _key_path(G, NT):
-    """Which path a call of shape (G, NT = B * T) takes under CONFIG["path"]."""
+def _key_path(G):
+    """Whether a call with G query heads per kv head takes the key-centric path under CONFIG["path"]."""
     path = CONFIG["path"]
     if path not in ("auto", "query", "key"):
         raise ValueError(f"sel_kernel.CONFIG['path'] must be 'auto', 'query' or 'key', got {path!r}")
-    return path == "key" or (path == "auto" and G <= KEY_MAX_G and NT >= KEY_MIN_TOKENS)
+    return path == "key" or (path == "auto" and G <= KEY_MAX_G)
 
 
 def _query_launch(name, G):
@@ -529,7 +528,7 @@ def _plan(NT, HQ, H, NS, D, DV, sel_block):
     on the query path, which has none); the partial rows of a full window; and the reverse index's chunk (pairs per
     chunk: about chunk_rows query rows of the dk/dv pass's CONFIG entry, in whole tiles)."""
     c = _sizes(HQ, H, D, DV, sel_block)
-    key_path = _key_path(c["G"], NT)
+    key_path = _key_path(c["G"])
     cfg = CONFIG[_dkv_entry(key_path, D, DV)]
     chunk = _chunk_pairs(cfg["rows"], cfg["chunk_rows"], c["G"])
     if not key_path:

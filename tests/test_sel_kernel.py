@@ -418,14 +418,13 @@ def test_empty_inputs(path):
 
 def test_auto_rule_and_bad_path(monkeypatch):
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
-    G, NT = sel_kernel.KEY_MAX_G, sel_kernel.KEY_MIN_TOKENS
-    assert sel_kernel._key_path(G, NT) and sel_kernel._key_path(1, NT)
-    assert not sel_kernel._key_path(G + 1, NT) and not sel_kernel._key_path(1, NT - 1)
+    G = sel_kernel.KEY_MAX_G
+    assert sel_kernel._key_path(G) and sel_kernel._key_path(1) and not sel_kernel._key_path(G + 1)
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "query")
-    assert not sel_kernel._key_path(1, NT)
+    assert not sel_kernel._key_path(1)
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "keys")
     with pytest.raises(ValueError, match="'auto', 'query' or 'key'"):
-        sel_kernel._key_path(1, NT)
+        sel_kernel._key_path(1)
 
 
 def test_dkv_entry_by_path_and_head_width(monkeypatch):
