@@ -43,7 +43,7 @@ CONFIG = {
     "fwd": dict(rows=16, union=False, num_warps=4, num_stages=2),
     "dq": dict(rows=16, union=False, num_warps=2, num_stages=2),
     "dkv": dict(rows=64, chunk_rows=16384, num_warps=4, num_stages=3),
-    "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by shape
+    "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by G
     "key_fwd": dict(rows=64, num_warps=4, num_stages=3),  # its chunks are key_bwd's (one reverse index)
     "key_bwd": dict(rows=128, chunk_rows=4096, num_warps=8, num_stages=3),  # dk/dv on the key path (dq partials too)
     "key_bwd_small_d": dict(rows=64, chunk_rows=2048, num_warps=4, num_stages=3),  # heads <= SMALL_D (nsa_kernels)
