@@ -566,7 +566,7 @@ def _index_fake(block_indices, sel_block, cu_seqlens, window, chunk):
     NB = _num_blocks(NT, sel_block, n_seq)
     for t0, t1 in _windows(NT, window) if NS else []:
         E, NC, perm_dtype = _index_sizes(t1 - t0, H, NS, NB, chunk)
-        index += [new(E, dtype=perm_dtype)] + [new(NC, dtype=torch.int64) for _ in range(3)] + [new(H * NB), new(H * NB)]
+        index += [new(E, dtype=perm_dtype), *[new(NC, dtype=torch.int64) for _ in range(3)], new(H * NB), new(H * NB)]
     return index
 
 
@@ -688,9 +688,10 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
             _sel_key_dq_kernel[(triton.cdiv(t1 - t0, M_sum // c["G"]), H)](dq_part, idx, dq, t0, t1, H=H, G=c["G"],
                                                                           M=M_sum, D=D, BD=c["BD"], NS=NS, NKC=NKC,
                                                                           **sum_cfg)
+        NB = seg_c0.numel() // H                                               # block numbers per kv head
         _sel_bwd_reduce_kernel[(triton.cdiv(NT, 32), H)](dk_part, dv_part, dk_sum, dv_sum, pos, seq, seg_c0, seg_c1,
-                                                         NT, seg_c0.numel() // H, H=H, D=D, DV=DV, BD=c["BD"], BDV=c["BDV"], BS=sel_block,
-                                                         BSP=BSP, BR=32, ADD=t0 > 0)
+                                                         NT, NB, H=H, D=D, DV=DV, BD=c["BD"], BDV=c["BDV"],
+                                                         BS=sel_block, BSP=BSP, BR=32, ADD=t0 > 0)
     if dk_sum is not dk:
         dk.copy_(dk_sum)
         dv.copy_(dv_sum)

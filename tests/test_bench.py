@@ -218,7 +218,8 @@ def test_captured_replay_matches_eager(bench):
 @pytest.mark.parametrize("hq", (4, 64))
 def test_layer_sweep_varies_the_entries_its_g_takes(bench, monkeypatch, capsys, hq):
     """At G < nsa_kernels.SMALL_G the layer sweep varies the *_small_g entries that the kernels then read, else the
-    others (and *_small_d ones for narrow heads); the branches are timed with their gate; CONFIG is as before afterwards."""
+    others (and *_small_d ones for narrow heads); the branches are timed with their gate; CONFIG is as before
+    afterwards."""
     import nsa_kernels
     before = {k: dict(v) for k, v in nsa_kernels.CONFIG.items()}
     changed, n_inputs = set(), []
