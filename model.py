@@ -190,7 +190,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, cu_seqlens=None):
         """idx (B, T) int64 token ids; targets (B, T) or None; cu_seqlens int32 (N + 1,) with B == 1.
-        Returns logits (B, T, vocab) and the mean cross-entropy over targets != ignore_index (or None)."""
+        Returns logits (B, T, vocab; detached when targets are given) and the mean cross-entropy over
+        targets != ignore_index (or None)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be (B, T), got {tuple(idx.shape)}")
         B, T = idx.shape
@@ -205,6 +206,9 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
                                    ignore_index=self.config.ignore_index)
+            # the gradient flows through the loss; logits that required grad would have the compiled backward take a
+            # zero gradient of their full size (B, T, vocab) as input, filled (and under CUDA graphs copied) each step
+            logits = logits.detach()
         return logits, loss
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):

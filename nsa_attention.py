@@ -561,7 +561,9 @@ class NSAAttention(nn.Module):
         th = self.cfg.rope_theta
         q = rope(self.wq(x).view(B, T, self.HQ, self.D), pos, th)             # (B, T, HQ, D)
         k_raw, v_raw, k_slc, v_slc, k_win, v_win = self.wkv(x).view(B, T, 6, self.H, self.D).unbind(2)
-        return q, k_raw, v_raw, rope(k_slc, pos, th), v_slc, rope(k_win, pos, th), v_win
+        # the kernels read contiguous (B, T, H, D) tensors: copied here (once, fused by torch.compile), the ops do not
+        # each copy these strided views of the projection in their forward and again in their backward
+        return q, k_raw, v_raw, rope(k_slc, pos, th), v_slc.contiguous(), rope(k_win, pos, th), v_win.contiguous()
 
     def _forward(self, x, cu_seqlens):
         """forward's output and the keys/values it made: {name: (B, T or Tc, H, D)}, which prefill caches."""
@@ -575,15 +577,16 @@ class NSAAttention(nn.Module):
         v_cmp, _ = compress(v_raw, self.v_pos, self.v_phi, l, d, cu_seqlens)
         k_cmp = rope(k_cmp, positions(cu_cmp, k_cmp.shape[1], x.device) * d + l - 1, cfg.rope_theta)
         g = self._gate(x)                                                      # (B, T, HQ, 3)
+        g_cmp, g_slc, g_win = g.permute(3, 0, 1, 2).contiguous()               # (B, T, HQ) each, contiguous
         # each branch returns its output times its gate weight, so Eq. 5 is their sum (on the kernels, the backward
         # then needs no (B, T, HQ, D) gradient per branch: see nsa_kernels.gated_lse)
         o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, l, d, cu_seqlens=cu_seqlens, cu_seqlens_cmp=cu_cmp,
-                                          backend=be, gate=g[..., 0])          # (B, T, HQ, D)
+                                          backend=be, gate=g_cmp)             # (B, T, HQ, D)
         idx = select_blocks(q.detach(), k_cmp.detach(), l, d, cfg.sel_block, cfg.n_select, cfg.n_init, cfg.n_local,
                             cu_seqlens=cu_seqlens, cu_seqlens_cmp=cu_cmp, backend=be, lse=lse)   # (B, T, H, n)
         o_slc = selection_attention(q, k_slc, v_slc, idx, cfg.sel_block, cu_seqlens=cu_seqlens, backend=be,
-                                    gate=g[..., 1])
-        o_win = window_attention(q, k_win, v_win, cfg.window, cu_seqlens=cu_seqlens, backend=be, gate=g[..., 2])
+                                    gate=g_slc)
+        o_win = window_attention(q, k_win, v_win, cfg.window, cu_seqlens=cu_seqlens, backend=be, gate=g_win)
         o = o_cmp + o_slc + o_win                                              # (B, T, HQ, D)  Eq. 5
         if self.record:  # train.py's statistics: how the gate mixes the branches (gated outputs)
             self.recorded = dict(gate=g.detach(), cmp=o_cmp.detach(), slc=o_slc.detach(), win=o_win.detach())

@@ -22,7 +22,9 @@ def test_shapes_untrained_loss_and_learning(attn):
     logits, loss = model(idx, targets)
     assert logits.shape == (2, 70, 257)
     assert abs(loss.item() - math.log(257)) < 0.1                             # untrained: near uniform
-    assert model(idx)[1] is None
+    # the gradient flows through the loss only (a compiled backward would else take a zero (B, T, vocab) gradient)
+    assert loss.requires_grad and not logits.requires_grad
+    assert model(idx)[1] is None and model(idx)[0].requires_grad              # inference logits keep their graph
     opt = model.configure_optimizers(0.1, 3e-3, (0.9, 0.95), "cpu")
     for _ in range(8):
         opt.zero_grad()
@@ -30,6 +32,18 @@ def test_shapes_untrained_loss_and_learning(attn):
         loss.backward()
         opt.step()
     assert model(idx, targets)[1].item() < math.log(257) - 1.0                # it memorises the fixed batch
+
+
+def test_nsa_kernel_inputs_are_contiguous():
+    """The layer hands the branch ops contiguous q and K/V (else each op copies the strided views of the projection,
+    in its forward and again in its backward), with the values of those views; phi's inputs may stay views."""
+    layer = tiny("nsa").blocks[0].attn
+    x = torch.randn(2, 40, layer.cfg.n_embd)
+    pos = torch.arange(40)
+    outs = layer._project(x, pos)
+    assert all(outs[i].is_contiguous() for i in (0, 3, 4, 5, 6))              # q, k_slc, v_slc, k_win, v_win
+    v_slc, v_win = layer.wkv(x).view(2, 40, 6, layer.H, layer.D)[:, :, [3, 5]].unbind(2)
+    assert torch.equal(outs[4], v_slc) and torch.equal(outs[6], v_win)
 
 
 def test_reference_nsa_under_autocast():
