@@ -409,6 +409,58 @@ def _clean_kernel(idx, out, key, pos, seq, NR, NB, H: tl.constexpr, NS: tl.const
     tl.store(key + off, tl.where(ok, (r % H)[:, None] * NB + blk, H * NB), mask=m)
 
 
+@triton.jit
+def _search(arr, n, x, steps, RIGHT: tl.constexpr):
+    """For each x: the first i in [0, n) with arr[i] >= x (RIGHT: > x) in the ascending arr, n if none."""
+    lo = tl.zeros(x.shape, tl.int64)
+    hi = tl.full(x.shape, 0, tl.int64) + n
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        live = lo < hi
+        a = tl.load(arr + mid, mask=live, other=0)
+        right = live & ((a <= x) if RIGHT else (a < x))
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(live & ~right, mid, hi)
+    return lo
+
+
+@triton.jit
+def _lists_kernel(key, seg, n_chunks, E, HNB, chunk, steps, BL: tl.constexpr):
+    """Reverse index, lists: where each (kv head, block number) b's entries start in the sorted keys (seg[b], and
+    seg[HNB] = the used entries) and how many chunks its list takes."""
+    b = tl.program_id(0) * BL + tl.arange(0, BL)                             # [BL] lists
+    o_2 = tl.arange(0, 2)[None, :]
+    s = _search(key, E, b[:, None] + o_2, steps, RIGHT=False)               # [BL, 2] starts of b and b + 1
+    s0, s1 = tl.sum(tl.where(o_2 == 0, s, 0), 1), tl.sum(tl.where(o_2 == 1, s, 0), 1)
+    tl.store(seg + b, s0, mask=b <= HNB)
+    tl.store(n_chunks + b, (s1 - s0 + chunk - 1) // chunk, mask=b < HNB)
+
+
+@triton.jit
+def _chunks_kernel(seg, n_chunks, seg_c1, perm, idx, pos, c_begin, c_end, c_key, out_c0, out_c1, NC, NT, t0, chunk,
+                   sel_block, steps, H: tl.constexpr, NS: tl.constexpr, HNB: tl.constexpr, BC: tl.constexpr):
+    """Reverse index, chunks: each list's chunks [out_c0, out_c1) (int32), and chunk c's entries [c_begin, c_end) and
+    key (kv head * NT + its block's first token); chunks after the last list's are empty."""
+    c = tl.program_id(0) * BC + tl.arange(0, BC)                             # [BC] lists, then chunks
+    m_l = c < HNB
+    c1 = tl.load(seg_c1 + c, mask=m_l, other=0)
+    tl.store(out_c0 + c, (c1 - tl.load(n_chunks + c, mask=m_l, other=0)).to(tl.int32), mask=m_l)
+    tl.store(out_c1 + c, c1.to(tl.int32), mask=m_l)
+    lst = _search(seg_c1, HNB, c, steps, RIGHT=True)                         # [BC] the list holding chunk c
+    used = (c < NC) & (lst < HNB)
+    lst = tl.minimum(lst, HNB - 1)
+    first_c = tl.load(seg_c1 + lst) - tl.load(n_chunks + lst)                 # the list's first chunk
+    beg = tl.load(seg + lst) + (c - first_c) * chunk
+    end = tl.minimum(beg + chunk, tl.load(seg + lst + 1))
+    first = tl.load(perm + beg, mask=used, other=0)                           # the chunk's first pair
+    t = t0 + first // (H * NS)
+    kst = t - tl.load(pos + t, mask=used, other=0) + tl.load(idx + first, mask=used, other=0) * sel_block
+    m_c = c < NC
+    tl.store(c_begin + c, tl.where(used, beg, 0), mask=m_c)
+    tl.store(c_end + c, tl.where(used, end, 0), mask=m_c)
+    tl.store(c_key + c, tl.where(used, first // NS % H * NT + kst, 0), mask=m_c)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # host launchers (no host syncs: every size below comes from shapes, so torch.compile and CUDA graphs can capture them)
 
@@ -494,26 +546,23 @@ def _reverse_index(key, idx, pos, t0, sel_block, NB, chunk):
     cleaned ids (_clean_indices), pos (NT,) int32 all tokens' positions. Returns perm (E,) (each entry's (token in
     the window, kv head, slot), flat, in list order), per chunk begin/end/key (NC,) (key = kv head * NT + the
     block's first token; chunks ordered by key, unused ones empty and last), and per (head, block number) its chunks
-    [seg_c0, seg_c1) (H * NB,). One sort of E keys, the rest on lists and chunks; no host sync."""
+    [seg_c0, seg_c1) (H * NB,). One sort of E keys, then two small kernels and a cumsum over lists and chunks; no
+    host sync."""
     W, H, NS = idx.shape
     NT, dev = pos.numel(), idx.device
     E, NC, perm_dtype = _index_sizes(W, H, NS, NB, chunk)
     key, perm = torch.sort(key, stable=True)                                   # stable: tokens stay ascending
-    seg = torch.searchsorted(key, torch.arange(H * NB + 1, device=dev, dtype=key.dtype))   # (H*NB+1,) list starts
-    n_chunks = (seg[1:] - seg[:-1] + chunk - 1) // chunk                       # (H*NB,) chunks of each list
-    seg_c1 = torch.cumsum(n_chunks, 0)
-    seg_c0 = seg_c1 - n_chunks
-    c = torch.arange(NC, device=dev)
-    lst = torch.searchsorted(seg_c1, c, right=True)                            # (NC,) each chunk's list
-    used = lst < H * NB
-    lst = lst.clamp(max=H * NB - 1)
-    c_begin = torch.where(used, seg[lst] + (c - seg_c0[lst]) * chunk, 0)
-    c_end = torch.where(used, torch.minimum(c_begin + chunk, seg[lst + 1]), 0)
-    first = perm[c_begin]                                                      # a chunk's first pair
-    t = t0 + first // (H * NS)
-    kst = t - pos[t] + idx.flatten()[first] * sel_block                        # its block's first token
-    c_key = torch.where(used, first // NS % H * NT + kst, 0)
-    return perm.to(perm_dtype), c_begin, c_end, c_key, seg_c0.to(torch.int32), seg_c1.to(torch.int32)
+    seg = torch.empty(H * NB + 1, device=dev, dtype=torch.int64)               # list starts in the sorted entries
+    n_chunks = torch.empty(H * NB, device=dev, dtype=torch.int64)
+    steps = (E + 1).bit_length()                                               # binary search steps over E + 1
+    _lists_kernel[(triton.cdiv(H * NB + 1, 256),)](key, seg, n_chunks, E, H * NB, chunk, steps, BL=256)
+    seg_c1 = torch.cumsum(n_chunks, 0)                                         # (H*NB,) each list's chunks end
+    c_begin, c_end, c_key = (torch.empty(NC, device=dev, dtype=torch.int64) for _ in range(3))
+    seg_c0_32, seg_c1_32 = (torch.empty(H * NB, device=dev, dtype=torch.int32) for _ in range(2))
+    _chunks_kernel[(triton.cdiv(max(NC, H * NB), 256),)](
+        seg, n_chunks, seg_c1, perm, idx, pos, c_begin, c_end, c_key, seg_c0_32, seg_c1_32, NC, NT, t0, chunk,
+        sel_block, (H * NB).bit_length(), H=H, NS=NS, HNB=H * NB, BC=256)
+    return perm.to(perm_dtype), c_begin, c_end, c_key, seg_c0_32, seg_c1_32
 
 
 def _dkv_entry(key_path, D, DV):
