@@ -579,7 +579,7 @@ class NSAAttention(nn.Module):
         g = self._gate(x)                                                      # (B, T, HQ, 3)
         g_cmp, g_slc, g_win = g.permute(3, 0, 1, 2).contiguous()               # (B, T, HQ) each, contiguous
         # each branch returns its output times its gate weight, so Eq. 5 is their sum (on the kernels, the backward
-        # then needs no (B, T, HQ, D) gradient per branch: see nsa_kernels.gated_lse)
+        # then needs no (B, T, HQ, D) gradient per branch: see nsa_kernels.gate_lse)
         o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, l, d, cu_seqlens=cu_seqlens, cu_seqlens_cmp=cu_cmp,
                                           backend=be, gate=g_cmp)             # (B, T, HQ, D)
         idx = select_blocks(q.detach(), k_cmp.detach(), l, d, cfg.sel_block, cfg.n_select, cfg.n_init, cfg.n_local,

@@ -133,6 +133,16 @@ def gate_out(b_o, gate, rows, m, GATED: tl.constexpr):
 
 
 @triton.jit
+def gate_lse(b_lse, gate, rows, m, GATED: tl.constexpr):
+    """The base-2 lse [M] the backward reads for a gated output: p = 2^(s - (lse - log2 g)) = g * p, so its dv and ds
+    are those of g * o_branch with the incoming do as it is (no g * do tensor); p = 0 where g = 0."""
+    if GATED:
+        g = tl.load(gate + rows, mask=m, other=1.)
+        b_lse = tl.where(g > 0, b_lse - tl.log2(tl.where(g > 0, g, 1.)), float("inf"))
+    return b_lse
+
+
+@triton.jit
 def gate_delta(b_delta, gate, rows, m, GATED: tl.constexpr):
     """The backward's delta [M] of a gated output o = g * o_branch: rowsum(o * do) / g = rowsum(o_branch * do),
     which is also dL/dg (0 where g = 0, where a softmax or sigmoid gate passes no gradient to its logits anyway)."""
@@ -180,13 +190,6 @@ def pack(x):
 def pack_gate(gate):
     """gate (B, T, HQ) -> (B*T, HQ) fp32 for the kernels (None stays None: no gate)."""
     return None if gate is None else pack(gate.float())
-
-
-def gated_lse(lse, gate, log):
-    """The lse the backward kernels read for a gated output: p = exp(s - (lse - log g)) = g * p, so their dv and ds
-    are those of g * o_branch with the incoming do as it is (no g * do tensor); p = 0 where g = 0. log: torch.log
-    for a natural-log lse, torch.log2 for base 2."""
-    return lse if gate is None else torch.where(gate > 0, lse - log(gate), float("inf"))
 
 
 def gate_grad(delta, gate):
@@ -355,7 +358,7 @@ def _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, k_from, k_to, k_
 
 
 @triton.jit
-def _range_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, gate, lo, hi, scale_log2, scale, NT,
+def _range_bwd_dq_kernel(q, k, v, o, do, lse, lse2, delta, dq, gate, lo, hi, scale_log2, scale, NT,
                          KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB,
                          H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                          D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
@@ -372,7 +375,8 @@ def _range_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, gate, lo, hi, scale_log
     b_delta = gate_delta(b_delta, gate, t_off + hq_r, m_r, GATED)
     tl.store(delta + t_off + hq_r, b_delta, mask=m_r)
     b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.) * 1.4426950408889634          # base 2
-    b_lse = tl.where(b_lse == float("-inf"), 0., b_lse)   # a row with no key: masked below, keep exp2 finite
+    b_lse = gate_lse(tl.where(b_lse == float("-inf"), 0., b_lse), gate, t_off + hq_r, m_r, GATED)  # no key: masked
+    tl.store(lse2 + t_off + hq_r, b_lse, mask=m_r)                                        # for the dk/dv kernel
     b_dq = tl.zeros([M, BD], tl.float32)
     k0, ka, kb, k_end = _split(b_lo, b_hi, m_r, BN)
     b_dq = _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, k0, ka, k_end, scale_log2, i_h,
@@ -394,7 +398,7 @@ def _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, t_from, t_t
         m_r, t_off, hq_r = tile_rows(t_r, g_r, m_g & (t_r < t_end), i_h, H, G)
         b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                                      # [M, BD]
         b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                                  # [M, BDV]
-        b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.) * 1.4426950408889634
+        b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.)                           # base 2, gated
         b_delta = tl.load(delta + t_off + hq_r, mask=m_r, other=0.)
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                                     # [M, BN]
         if MASK:
@@ -835,12 +839,12 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale, n_chunks
     NK = k.shape[0]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
-    lse = gated_lse(lse, gate, torch.log)
+    lse2 = torch.empty_like(delta)                        # the dq kernel's base-2 gated lse (gate_lse), for dk/dv
     sl2 = scale * math.log2(math.e)
     if NT > 0:
         M, launch = _launch_cfg("dq", q, k, v)
         c, BT = _sizes(q, k, v, M)
-        _range_bwd_dq_kernel[(triton.cdiv(NT, BT), c["H"])](q, k, v, o, do, lse, delta, dq, gate, lo, hi, sl2,
+        _range_bwd_dq_kernel[(triton.cdiv(NT, BT), c["H"])](q, k, v, o, do, lse, lse2, delta, dq, gate, lo, hi, sl2,
                                                                  scale, NT, **geo, **c, **launch,
                                                                  GATED=gate is not None)
     if NK > 0 and NT > 0:
@@ -851,7 +855,7 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale, n_chunks
         dk_p, dv_p = (dk, dv) if nqc == 1 else (k.new_empty(nqc, *k.shape, dtype=torch.float32),
                                                  v.new_empty(nqc, *v.shape, dtype=torch.float32))
         _range_bwd_dkv_kernel[(triton.cdiv(NK, launch["BN"]), nqc, c["H"])](
-            q, k, v, do, lse, delta, dk_p, dv_p, qlo, qhi, sl2, scale, NK, qch, **geo, **c, **launch)
+            q, k, v, do, lse2, delta, dk_p, dv_p, qlo, qhi, sl2, scale, NK, qch, **geo, **c, **launch)
         if nqc > 1:
             dk, dv = dk_p.sum(0).to(k.dtype), dv_p.sum(0).to(v.dtype)
     elif NK > 0:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_kernels import (SMALL_D, attention_op, gate_delta, gate_grad, gate_out, gated_lse, group_rows, head_sizes,
+from nsa_kernels import (SMALL_D, attention_op, gate_delta, gate_grad, gate_lse, gate_out, group_rows, head_sizes,
                          load_rows, pack, pack_gate, sequences, softmax_finish, softmax_rescale, softmax_step,
                          store_rows, tile_m, tile_rows)
 
@@ -154,13 +154,15 @@ def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, scale_log2, NT,
 # dk/dv (block-centric partials + ordered reduction)
 
 @triton.jit
-def _sel_bwd_delta_kernel(o, do, delta, gate, NR, DV: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr,
+def _sel_bwd_delta_kernel(o, do, lse, delta, lse2, gate, NR, DV: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr,
                           GATED: tl.constexpr):
+    """delta = rowsum(o_branch * do) and the lse the other backward kernels read (gate_lse: gated, base 2)."""
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     m_r = o_r < NR
     b_o = load_rows(o, o_r, m_r, DV, BDV).to(tl.float32)                   # [BR, BDV]
     b_do = load_rows(do, o_r, m_r, DV, BDV).to(tl.float32)
     tl.store(delta + o_r, gate_delta(tl.sum(b_o * b_do, 1), gate, o_r, m_r, GATED), mask=m_r)
+    tl.store(lse2 + o_r, gate_lse(tl.load(lse + o_r, mask=m_r, other=0.), gate, o_r, m_r, GATED), mask=m_r)
 
 
 @triton.jit
@@ -707,9 +709,10 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     scale_log2 = scale * math.log2(math.e)
     gf = pack_gate(gate)
     delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)    # dgate too, with a gate
-    _sel_bwd_delta_kernel[(triton.cdiv(NT * HQ, 32),)](of, dof, delta, gf, NT * HQ, DV=DV, BDV=c["BDV"], BR=32,
-                                                       GATED=gf is not None)
-    lse = gated_lse(lse.reshape(NT, HQ), gf, torch.log2)
+    lse2 = torch.empty_like(delta)                                        # lse as the kernels below read it
+    _sel_bwd_delta_kernel[(triton.cdiv(NT * HQ, 32),)](of, dof, lse.reshape(NT, HQ), delta, lse2, gf,
+                                                       NT * HQ, DV=DV, BDV=c["BDV"], BR=32, GATED=gf is not None)
+    lse = lse2
     dq = torch.empty_like(qf)
     if not key_path:  # query-centric dq; the key-centric path gets dq from the dk/dv kernel's partials
         M, union, cfg = _query_launch("dq", c["G"])
