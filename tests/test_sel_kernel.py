@@ -200,7 +200,10 @@ def test_varlen_matches_reference_and_separate_runs(path):
     o, lse = fwd_lse(q, k, v, idx, 16, cu)
     for a, b in ((0, 13), (13, 50), (50, 77)):  # each sequence alone gives the same rows: no read crosses a start
         o_alone, lse_alone = fwd_lse(q[:, a:b], k[:, a:b], v[:, a:b], idx[:, a:b], 16)
-        assert torch.equal(o[:, a:b], o_alone) and torch.equal(lse[:, a:b], lse_alone)
+        # up to rounding: the interpreter's dots go through numpy, whose BLAS may round a row differently when the
+        # tile's other rows differ (a read across a start would be off by O(1))
+        torch.testing.assert_close(o[:, a:b], o_alone, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse[:, a:b], lse_alone, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("path", ["key"], indirect=True)
