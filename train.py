@@ -224,8 +224,9 @@ ckpt = None  # free the memory
 raw_model = model
 if compile:
     model = torch.compile(model, dynamic=False, fullgraph=True, mode=compile_mode)
+params = list(raw_model.parameters())
 if graphs:  # a replay overwrites the last one's outputs, gradients included: micro-batches add into buffers of our own
-    for p in raw_model.parameters():
+    for p in params:
         p.grad = torch.zeros_like(p)
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
@@ -342,9 +343,12 @@ while True:
         if micro_step == accum - 1:
             data_state = train_gen.get_state()
         X, Y, CU = next_batch(train_data, train_gen)  # fetch the next batch while the device works
-        scaler.scale(loss).backward()
+        if graphs:  # the replay's gradients added to ours in one multi-tensor add, not one launch per parameter
+            torch._foreach_add_([p.grad for p in params], torch.autograd.grad(scaler.scale(loss), params))
+        else:
+            scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     # one small all-reduce per step: the global mean loss, and rank 0's STOP / time-limit decision
     stop_flag = master and (os.path.exists(stop_path) or 0 < max_seconds <= time.time() - t_start)
     flags = torch.stack([loss_sum, torch.tensor(float(stop_flag), device=device)])
