@@ -555,32 +555,28 @@ class NSAAttention(nn.Module):
         return self._forward(x, cu_seqlens)[0]
 
     def _project(self, x, pos):
-        """The shared queries, each branch's keys and values and the gate weights of x (B, T, C) at positions pos (T,):
-        q (B, T, HQ, D), k_raw, v_raw (phi's input), k_slc, v_slc, k_win, v_win (B, T, H, D), g (B, T, HQ, 3); RoPE
-        on q, k_slc and k_win. wq, wkv and the gate's first Linear run as one GEMM: one read of x, one dx GEMM."""
+        """The shared queries and each branch's keys and values of x (B, T, C) at positions pos (T,): q (B, T, HQ, D)
+        and k_raw, v_raw (phi's input), k_slc, v_slc, k_win, v_win (B, T, H, D); RoPE on q, k_slc and k_win."""
         B, T, _ = x.shape
-        th, nq, nkv = self.cfg.rope_theta, self.HQ * self.D, 6 * self.H * self.D
-        w = torch.cat([self.wq.weight, self.wkv.weight, self.gate[0].weight])  # (nq + nkv + C // 4, C)
-        q, kv, h = F.linear(x, w).split([nq, nkv, w.shape[0] - nq - nkv], -1)
-        q = rope(q.view(B, T, self.HQ, self.D), pos, th)                       # (B, T, HQ, D)
-        k_raw, v_raw, k_slc, v_slc, k_win, v_win = kv.view(B, T, 6, self.H, self.D).unbind(2)
-        g = self._gate(self.gate[1:](h + self.gate[0].bias))                   # (B, T, HQ, 3)
+        th = self.cfg.rope_theta
+        q = rope(self.wq(x).view(B, T, self.HQ, self.D), pos, th)             # (B, T, HQ, D)
+        k_raw, v_raw, k_slc, v_slc, k_win, v_win = self.wkv(x).view(B, T, 6, self.H, self.D).unbind(2)
         # the kernels read contiguous (B, T, H, D) tensors: copied here (once, fused by torch.compile), the ops do not
         # each copy these strided views of the projection in their forward and again in their backward
-        return (q, k_raw, v_raw, rope(k_slc, pos, th), v_slc.contiguous(), rope(k_win, pos, th), v_win.contiguous(),
-                g)
+        return q, k_raw, v_raw, rope(k_slc, pos, th), v_slc.contiguous(), rope(k_win, pos, th), v_win.contiguous()
 
     def _forward(self, x, cu_seqlens):
         """forward's output and the keys/values it made: {name: (B, T or Tc, H, D)}, which prefill caches."""
         cfg, be, l, d = self.cfg, self.cfg.backend, self.cfg.cmp_block, self.cfg.cmp_stride
         B, T, _ = x.shape
         pos = positions(cu_seqlens, T, x.device)                               # (T,)
-        q, k_raw, v_raw, k_slc, v_slc, k_win, v_win, g = self._project(x, pos)
+        q, k_raw, v_raw, k_slc, v_slc, k_win, v_win = self._project(x, pos)
         # phi reads keys without RoPE; the compressed key then gets RoPE at its block's last position i*d + l - 1,
         # the first query allowed to see it, so q . k_cmp depends on distance like the raw branches
         k_cmp, cu_cmp = compress(k_raw, self.k_pos, self.k_phi, l, d, cu_seqlens)   # (B, Tc, H, D)  Eq. 7
         v_cmp, _ = compress(v_raw, self.v_pos, self.v_phi, l, d, cu_seqlens)
         k_cmp = rope(k_cmp, positions(cu_cmp, k_cmp.shape[1], x.device) * d + l - 1, cfg.rope_theta)
+        g = self._gate(x)                                                      # (B, T, HQ, 3)
         g_cmp, g_slc, g_win = g.permute(3, 0, 1, 2).contiguous()               # (B, T, HQ) each, contiguous
         # each branch returns its output times its gate weight, so Eq. 5 is their sum (on the kernels, the backward
         # then needs no (B, T, HQ, D) gradient per branch: see nsa_kernels.gate_lse)
@@ -598,10 +594,9 @@ class NSAAttention(nn.Module):
                   v_cmp=v_cmp)
         return self.wo(o.to(x.dtype).reshape(B, T, self.HQ * self.D)), kv
 
-    def _gate(self, logits):
-        """Gate weights (..., HQ, 3) from the gate MLP's output (..., HQ * 3): softmax or sigmoid, in fp32 (fp64 in
-        gradcheck)."""
-        g = logits.unflatten(-1, (self.HQ, 3))                                 # (..., HQ, 3) gate logits
+    def _gate(self, x):
+        """Gate weights (..., HQ, 3) for x (..., C): softmax or sigmoid of the gate MLP, in fp32 (fp64 in gradcheck)."""
+        g = self.gate(x).unflatten(-1, (self.HQ, 3))                           # (..., HQ, 3) gate logits
         g = g.to(torch.promote_types(g.dtype, torch.float32))
         return torch.softmax(g, dim=-1) if self.cfg.gate == "softmax" else torch.sigmoid(g)
 
@@ -637,7 +632,7 @@ class NSAAttention(nn.Module):
         l, d = cfg.cmp_block, cfg.cmp_stride
         rows = torch.arange(B, device=x.device)                                # (B,)
         # the rows act as _project's T axis, so each gets RoPE at its own pos: q (B, HQ, D), the rest (B, H, D)
-        q, k_raw, v_raw, k_slc, v_slc, k_win, v_win, g = (t[0] for t in self._project(x.transpose(0, 1), pos))
+        q, k_raw, v_raw, k_slc, v_slc, k_win, v_win = (t[0] for t in self._project(x.transpose(0, 1), pos))
         W = c.k_win.shape[2]
         for buf, slot, new in ((c.k_slc, pos, k_slc), (c.v_slc, pos, v_slc), (c.k_win, pos % W, k_win),
                                (c.v_win, pos % W, v_win), (c.k_raw, pos % l, k_raw), (c.v_raw, pos % l, v_raw)):
@@ -651,7 +646,7 @@ class NSAAttention(nn.Module):
             new = compress(raw[rows[:, None], :, ring], pos_emb, phi, l, d)[0][:, 0]   # (B, H, D)  Eq. 7, one block
             new = rope(new[None], pos, cfg.rope_theta)[0] if is_key else new   # keys: RoPE at pos = i*d + l - 1
             cmp[rows, :, i] = torch.where(emit[:, None, None], new, cmp[rows, :, i])
-        o = decode_attention(q, c, pos, g, cfg)                                # (B, HQ, D)
+        o = decode_attention(q, c, pos, self._gate(x[:, 0]), cfg)             # (B, HQ, D)
         return self.wo(o.to(x.dtype).reshape(B, 1, self.HQ * self.D))
 
 

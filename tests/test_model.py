@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-import nsa_attention as N
 from model import GPT, GPTConfig, PRESETS, peak_flops_of
 
 
@@ -45,21 +44,6 @@ def test_nsa_kernel_inputs_are_contiguous():
     assert all(outs[i].is_contiguous() for i in (0, 3, 4, 5, 6))              # q, k_slc, v_slc, k_win, v_win
     v_slc, v_win = layer.wkv(x).view(2, 40, 6, layer.H, layer.D)[:, :, [3, 5]].unbind(2)
     assert torch.equal(outs[4], v_slc) and torch.equal(outs[6], v_win)
-
-
-def test_one_gemm_projection_equals_the_layers_modules():
-    """_project's one GEMM over [wq; wkv; gate[0]] gives what the modules give one by one: RoPE'd queries, the six
-    K/V and the gate MLP's softmax."""
-    layer = tiny("nsa").blocks[0].attn
-    torch.nn.init.normal_(layer.gate[-1].weight)                               # a gate that is not an even mix
-    x = torch.randn(2, 40, layer.cfg.n_embd)
-    pos = torch.arange(40)
-    outs = layer._project(x, pos)
-    torch.testing.assert_close(outs[0], N.rope(layer.wq(x).view(2, 40, layer.HQ, layer.D), pos, layer.cfg.rope_theta))
-    torch.testing.assert_close(outs[1], layer.wkv(x).view(2, 40, 6, layer.H, layer.D)[:, :, 0])
-    gate = torch.softmax(layer.gate(x).view(2, 40, layer.HQ, 3), -1)
-    torch.testing.assert_close(outs[7], gate)
-    assert not torch.allclose(gate, torch.full_like(gate, 1 / 3))
 
 
 def test_reference_nsa_under_autocast():

@@ -252,7 +252,7 @@ def test_record_keeps_gate_and_gated_branch_outputs_that_rebuild_the_output():
     mix = rec["cmp"] + rec["slc"] + rec["win"]                                # (1, 40, 4, 8), Eq. 5
     torch.testing.assert_close(layer.wo(mix.reshape(1, 40, 32)), y)
     q = layer._project(x, torch.arange(40))[0]                                 # the window branch, ungated
-    k_win, v_win = layer._project(x, torch.arange(40))[5:7]
+    k_win, v_win = layer._project(x, torch.arange(40))[5:]
     o_win = N.window_attention(q, k_win, v_win, layer.cfg.window)
     torch.testing.assert_close(rec["win"], rec["gate"][..., 2:3] * o_win)
     torch.testing.assert_close(rec["gate"].sum(-1), torch.ones(1, 40, 4))    # softmax over the three branches
