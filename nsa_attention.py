@@ -89,13 +89,25 @@ def positions(cu_seqlens, T, device):
     return t - cu_seqlens.long()[seq]
 
 
+@torch.library.custom_op("nsa::rope_table", mutates_args=())
+def rope_table(pos: torch.Tensor, D: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, D/2) of RoPE's angles pos * theta^(-2i/D), pos (T,) int. An op, opaque to torch.compile,
+    so the table is computed once per call: fused into rope's kernels, cos and sin ran for every element of x."""
+    inv_freq = theta ** (-torch.arange(0, D, 2, device=pos.device, dtype=dtype) / D)   # (D/2,)
+    ang = pos.to(dtype)[:, None] * inv_freq[None, :]                               # (T, D/2)
+    return ang.cos(), ang.sin()
+
+
+@rope_table.register_fake
+def _(pos, D, theta, dtype):
+    return pos.new_empty(pos.shape[0], D // 2, dtype=dtype), pos.new_empty(pos.shape[0], D // 2, dtype=dtype)
+
+
 def rope(x, pos, theta):
     """Rotary embedding (rotate-half form). x (B, T, H, D) with D even, pos (T,) int positions."""
-    D = x.shape[-1]
     dt = torch.promote_types(x.dtype, torch.float32)                           # fp32, or fp64 for gradcheck
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=dt) / D)   # (D/2,)
-    ang = pos.to(dt)[:, None] * inv_freq[None, :]                              # (T, D/2)
-    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]        # (1, T, 1, D/2)
+    cos, sin = rope_table(pos, x.shape[-1], float(theta), dt)                  # (T, D/2) each
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]                    # (1, T, 1, D/2)
     x1, x2 = x.to(dt).chunk(2, dim=-1)                                         # (B, T, H, D/2) each
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 

@@ -119,6 +119,18 @@ def test_window_is_a_band():
     torch.testing.assert_close(N.window_attention(q, k, v, w)[0], expect)
 
 
+def test_rope_turns_each_pair_by_its_angle_and_keeps_relative_scores():
+    B, T, H, D, theta = 2, 40, 3, 8, 500.0
+    x = rnd(B, T, H, D, seed=15)
+    pos = torch.arange(T) * 3 + 1
+    ang = pos[:, None].double() * theta ** (-torch.arange(0, D, 2).double() / D)   # (T, D/2)
+    z = torch.complex(*x.double().chunk(2, dim=-1)) * torch.polar(torch.ones_like(ang), ang)[None, :, None]
+    torch.testing.assert_close(N.rope(x, pos, theta), torch.cat([z.real, z.imag], -1).float())
+    q, k = rnd(1, 1, 1, D, seed=16).expand(1, T, 1, D), rnd(1, 1, 1, D, seed=17).expand(1, T, 1, D)
+    s = (N.rope(q[:, 5:], torch.arange(5, T), theta) * N.rope(k[:, :-5], torch.arange(T - 5), theta)).sum(-1)
+    torch.testing.assert_close(s, s[:, :1].expand_as(s))                          # depends on distance alone
+
+
 def test_compressed_hand_computed():
     # l = 4, d = 2, T = 7: blocks end at 3, 5 -> Tc = 2; queries 0..2 see none, 3..4 see block 0, 5..6 both.
     q = torch.ones(1, 7, 1, 2)
