@@ -120,7 +120,7 @@ def softmax_step(b_s, b_v, m_i, l_i, acc):
 def softmax_finish(m_i, l_i, acc):
     """o = acc / l (0 for a row that read no key) and the base-2 lse (-inf there)."""
     l_safe = tl.where(l_i == 0., 1., l_i)
-    return acc / l_safe[:, None], tl.where(l_i == 0., float("-inf"), m_i + tl.log2(l_safe))
+    return acc * (1. / l_safe)[:, None], tl.where(l_i == 0., float("-inf"), m_i + tl.log2(l_safe))
 
 
 @triton.jit
@@ -420,19 +420,28 @@ def _range_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, qlo, qhi, scale_log2,
                           KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB,
                           H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                           D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
-    """One program: BN keys x the queries of token chunk i_q ([i_q*QCH, (i_q+1)*QCH)); with several chunks dk/dv
-    are fp32 partials (NQC, NK, H, D) that the launcher sums in chunk order."""
+    """One program: BN keys x the queries of token chunk i_q ([i_q*QCH, (i_q+1)*QCH) of the keys' row, or of all
+    tokens with var-length input); with several chunks dk/dv are fp32 partials (NQC, NK, H, D) that the launcher
+    sums in chunk order."""
     i_k, i_q, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c = i_k * BN + tl.arange(0, BN)                                                       # [BN] key ids
-    m_k = c < NK
+    if VARLEN:                                            # BN keys of the packed keys
+        c = i_k * BN + tl.arange(0, BN)                                                   # [BN] key ids
+        m_k = c < NK
+        q0 = 0
+    else:                                                 # BN keys of one row (SEQ_TK keys, SEQ_T tokens each)
+        n_kt = tl.cdiv(SEQ_TK, BN)
+        c_r = (i_k % n_kt) * BN + tl.arange(0, BN)
+        c = (i_k // n_kt) * SEQ_TK + c_r
+        m_k = c_r < SEQ_TK
+        q0 = (i_k // n_kt) * SEQ_T                        # the row's first token: its chunks start there
     b_qlo, b_qhi = _range(c, m_k, qlo, qhi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=True)  # [BN] query ranges
     k_off = c.to(tl.int64) * H + i_h
     b_k = load_rows(k, k_off, m_k, D, BD)                                                 # [BN, BD]
     b_v = load_rows(v, k_off, m_k, DV, BDV)                                               # [BN, BDV]
     b_dk = tl.zeros([BN, BD], tl.float32)
     b_dv = tl.zeros([BN, BDV], tl.float32)
-    c_lo = tl.maximum(b_qlo, i_q * QCH)                   # this program's token chunk
-    c_hi = tl.minimum(b_qhi, (i_q + 1) * QCH)
+    c_lo = tl.maximum(b_qlo, q0 + i_q * QCH)              # this program's token chunk
+    c_hi = tl.minimum(b_qhi, q0 + (i_q + 1) * QCH)
     t0, ta, tb, t_end = _split(c_lo, c_hi, m_k, M // G)                                 # steps of M // G tokens
     b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, t0, ta, t_end, scale_log2, i_h,
                            H, G, M, D, DV, BD, BDV, MASK=True)
@@ -850,11 +859,13 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale, n_chunks
     if NK > 0 and NT > 0:
         M, launch = _launch_cfg("dkv", q, k, v)
         c, BT = _sizes(q, k, v, M)
-        qch = triton.cdiv(triton.cdiv(NT, n_chunks), BT) * BT
-        nqc = triton.cdiv(NT, qch)
+        rows = 1 if geo["VARLEN"] else NK // geo["SEQ_TK"]  # key tiles per row without var-length input
+        q_span = NT // rows                                 # the tokens a key's queries lie in
+        qch = triton.cdiv(triton.cdiv(q_span, n_chunks), BT) * BT
+        nqc = triton.cdiv(q_span, qch)
         dk_p, dv_p = (dk, dv) if nqc == 1 else (k.new_empty(nqc, *k.shape, dtype=torch.float32),
                                                  v.new_empty(nqc, *v.shape, dtype=torch.float32))
-        _range_bwd_dkv_kernel[(triton.cdiv(NK, launch["BN"]), nqc, c["H"])](
+        _range_bwd_dkv_kernel[(rows * triton.cdiv(NK // rows, launch["BN"]), nqc, c["H"])](
             q, k, v, do, lse2, delta, dk_p, dv_p, qlo, qhi, sl2, scale, NK, qch, **geo, **c, **launch)
         if nqc > 1:
             dk, dv = dk_p.sum(0).to(k.dtype), dv_p.sum(0).to(v.dtype)
@@ -883,9 +894,12 @@ def _range_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, HQ, _ = q.shape
     geo, lo, hi, qlo, qhi = _ranges(kind, B, T, k.shape[1], a, b, cu_seqlens, cu_seqlens_cmp, q.device)
-    # compressed keys are few (T / d): split each key block's queries into chunks so the dk/dv grid fills the GPU
+    # compressed keys are few (T / d): split each key block's queries (those of its row, or all tokens with var-length
+    # input) into chunks so the dk/dv grid fills the GPU
     n_key_programs = triton.cdiv(k.shape[0] * k.shape[1], _launch_cfg("dkv", q, k, v)[1]["BN"]) * k.shape[2]
-    n_chunks = 1 if kind == 1 else max(1, min(triton.cdiv(B * T, DKV_CHUNK), triton.cdiv(2048, max(1, n_key_programs))))
+    q_span = T if cu_seqlens is None else B * T
+    n_chunks = 1 if kind == 1 else max(1, min(triton.cdiv(q_span, DKV_CHUNK),
+                                              triton.cdiv(2048, max(1, n_key_programs))))
     dq, dk, dv, delta = _range_bwd(pack(do), pack(q), pack(k), pack(v), pack_gate(gate), pack(o), pack(lse), geo, lo,
                                    hi, qlo, qhi, scale, n_chunks)
     return dq.view_as(q), dk.view_as(k), dv.view_as(v), gate_grad(delta, gate)

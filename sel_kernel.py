@@ -331,9 +331,8 @@ def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, perm, c_begin, c_end, c_key, 
         t_r, m_r, t_off, hq_r, rel_r, b_q, pr = _key_pairs(q, perm, pos, e, e1, i_h, T0, H, G, M, D, BD, NS)
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
         m_s = m_r[:, None] & m_k[None, :] & (rel_k[None, :] <= rel_r[:, None])  # causal inside the block
-        m_i, l_i, acc = softmax_step(tl.where(m_s, b_s, float("-inf")), b_v, tl.full([M], float("-inf"), tl.float32),
-                                     tl.zeros([M], tl.float32), tl.zeros([M, BDV], tl.float32))
-        b_o, b_lse = softmax_finish(m_i, l_i, acc)                          # [M, BDV], [M]
+        m_i, _, b_p = softmax_rescale(tl.where(m_s, b_s, float("-inf")), tl.full([M], float("-inf"), tl.float32))
+        b_o, b_lse = softmax_finish(m_i, tl.sum(b_p, 1), tl.dot(b_p.to(b_v.dtype), b_v))   # [M, BDV], [M]
         row = pr * NKC + i_kc
         store_rows(o_part, row, m_r, b_o, DV, BDV)
         tl.store(lse_part + row, b_lse, mask=m_r)

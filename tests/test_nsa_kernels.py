@@ -187,6 +187,8 @@ def test_small_tiles_masked_and_unmasked_steps(monkeypatch):
     monkeypatch.setattr(nk, "DKV_CHUNK", 40)
     out, ref = run_cmp(1, 150, 4, 2, 32, 32, 8, 4, torch.float32, seed=12)
     check(out, ref, 1e-5, CMP_NAMES)
+    out, ref = run_cmp(3, 150, 4, 2, 32, 32, 8, 4, torch.float32, seed=14)   # rows of 36 keys: tiles end inside one
+    check(out, ref, 1e-5, CMP_NAMES)
     out, ref = run_win(1, 150, 4, 2, 32, 32, 48, torch.float32, seed=12)
     check(out, ref, 1e-5, WIN_NAMES)
     cu = torch.tensor([0, 70, 150], dtype=torch.int32)
