@@ -840,10 +840,10 @@ def _range_fwd(q, k, v, gate, geo, lo, hi, scale):
     return o, lse
 
 
-def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale, n_chunks):
-    """dq, dk, dv and delta = rowsum(o_branch * do) (dgate with a gate). n_chunks > 1 splits each key block's queries
-    into token chunks (parallelism when keys are few, as in the compressed branch): fp32 partials summed in a fixed
-    order, so still deterministic."""
+def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale):
+    """dq, dk, dv and delta = rowsum(o_branch * do) (dgate with a gate). The compressed branch's dk/dv splits each key
+    block's queries into token chunks (parallelism where keys are few): fp32 partials summed in a fixed order, so
+    still deterministic."""
     NT, HQ, _ = q.shape
     NK = k.shape[0]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -861,6 +861,9 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale, n_chunks
         c, BT = _sizes(q, k, v, M)
         rows = 1 if geo["VARLEN"] else NK // geo["SEQ_TK"]  # key tiles per row without var-length input
         q_span = NT // rows                                 # the tokens a key's queries lie in
+        # compressed keys are few (T / d): chunks of at least DKV_CHUNK tokens, so the grid aims at 2048 programs
+        n_key_programs = triton.cdiv(NK, launch["BN"]) * c["H"]
+        n_chunks = 1 if geo["KIND"] == 1 else min(triton.cdiv(q_span, DKV_CHUNK), triton.cdiv(2048, n_key_programs))
         qch = triton.cdiv(triton.cdiv(q_span, n_chunks), BT) * BT
         nqc = triton.cdiv(q_span, qch)
         dk_p, dv_p = (dk, dv) if nqc == 1 else (k.new_empty(nqc, *k.shape, dtype=torch.float32),
@@ -894,14 +897,8 @@ def _range_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, HQ, _ = q.shape
     geo, lo, hi, qlo, qhi = _ranges(kind, B, T, k.shape[1], a, b, cu_seqlens, cu_seqlens_cmp, q.device)
-    # compressed keys are few (T / d): split each key block's queries (those of its row, or all tokens with var-length
-    # input) into chunks so the dk/dv grid fills the GPU
-    n_key_programs = triton.cdiv(k.shape[0] * k.shape[1], _launch_cfg("dkv", q, k, v)[1]["BN"]) * k.shape[2]
-    q_span = T if cu_seqlens is None else B * T
-    n_chunks = 1 if kind == 1 else max(1, min(triton.cdiv(q_span, DKV_CHUNK),
-                                              triton.cdiv(2048, max(1, n_key_programs))))
     dq, dk, dv, delta = _range_bwd(pack(do), pack(q), pack(k), pack(v), pack_gate(gate), pack(o), pack(lse), geo, lo,
-                                   hi, qlo, qhi, scale, n_chunks)
+                                   hi, qlo, qhi, scale)
     return dq.view_as(q), dk.view_as(k), dv.view_as(v), gate_grad(delta, gate)
 
 
