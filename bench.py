@@ -482,19 +482,20 @@ def selection_sweep(trained, source):
                 return fn()
         return run
 
-    key_bwd = sel_kernel._dkv_entry(True, D, Dv)                              # the entry this head width takes
+    key_fwd, key_bwd = (sel_kernel._key_entry(n, D, Dv) for n in ("key_fwd", "key_bwd"))  # this head width's
     grid = {"fwd": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
             "dq": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
             "dkv": [dict(rows=r, chunk_rows=16384, num_warps=w, num_stages=s)
                     for r, w, s in ((64, 4, 2), (64, 4, 3), (128, 8, 2))],
-            "key_fwd": [dict(rows=r, num_warps=w, num_stages=s)
-                        for r, w, s in ((64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2))],
+            key_fwd: [dict(rows=r, num_warps=w, num_stages=s)
+                      for r, w, s in ((64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2))]
+            + [dict(rows=64, num_warps=4, num_stages=3, maxnreg=128)],
             key_bwd: [dict(rows=r, chunk_rows=c, num_warps=w, num_stages=s)
                       for r, c, w, s in ((64, 8192, 4, 3), (64, 2048, 4, 3), (128, 16384, 8, 3), (128, 8192, 8, 2),
                                          (128, 8192, 8, 3), (128, 4096, 8, 3), (128, 2048, 8, 3))],
             "key_sum": [dict(rows=r, num_warps=w) for r, w in ((4, 4), (8, 2), (8, 4), (16, 4), (16, 8), (32, 8))]}
     ops = {"fwd": [("fwd", on("query", f))], "dq": [("fwd+bwd", on("query", fb))],
-           "dkv": [("fwd+bwd", on("query", fb))], "key_fwd": [("fwd", on("key", f))],
+           "dkv": [("fwd+bwd", on("query", fb))], key_fwd: [("fwd", on("key", f))],
            key_bwd: [("fwd+bwd", on("key", fb))], "key_sum": [("fwd+bwd", on("key", fb))]}
     sweep_configs(f"selection sweep T={T} HQ={HQ} H={H} indices={source}: ms under each config of one kernel",
                   sel_kernel.CONFIG, grid, ops)
@@ -677,10 +678,12 @@ def layer_sweep(trained):
            entry["dq"]: [("cmp fwd+bwd", cmp_fb), ("win fwd+bwd", win_fb)],
            entry["select"]: [("select", lambda: select(q, kc, lse))]}
     ops[entry["dkv"]] = ops[entry["dq"]]
+    capped = [dict(M=64, BN=64, num_warps=4, num_stages=2, maxnreg=128)]      # four blocks per SM at D = 64
     grid = {entry["fwd"]: [dict(M=m, BN=n, num_warps=w, num_stages=s) for m, n, w, s in
-                           ((128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2))],
+                           ((128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2))]
+            + capped,
             entry["dq"]: [dict(M=m, BN=n, num_warps=w, num_stages=s) for m, n, w, s in
-                          ((128, 64, 8, 2), (128, 32, 4, 2), (128, 64, 4, 3), (64, 64, 4, 2))],
+                          ((128, 64, 8, 2), (128, 32, 4, 2), (128, 64, 4, 3), (64, 64, 4, 2))] + capped,
             entry["dkv"]: [dict(M=m, BN=n, num_warps=w, num_stages=s) for m, n, w, s in
                            ((64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 2),
                             (64, 64, 4, 3))],

@@ -8,8 +8,9 @@ Notation
     query/key head dim, Dv the value head dim; t is a query's position inside its own sequence, from 0. The queries
     are shared; each branch has its own key and value projections. Hyperparameters, with the paper's values:
     l = cmp_block (32), d = cmp_stride (16), l' = sel_block (64), n = n_select (16), n_init (1), n_local (2),
-    w = window (512); softmax scale 1 / sqrt(D) unless given. Valid: l, d, l', n, w positive, n_init and n_local
-    >= 0, d divides l and l', l <= l', n >= n_init + n_local; anything else is a ValueError naming the value.
+    w = window (512); softmax scale 1 / sqrt(D) unless given. Valid: l, d, l', n, w and the scale positive, n_init
+    and n_local >= 0, d divides l and l', l <= l', n >= n_init + n_local; anything else is a ValueError naming the
+    value.
 
 Compressed
     Compressed block i covers positions [i*d, i*d + l), so T tokens give Tc = 0 if T < l else (T - l) // d + 1.
@@ -372,6 +373,8 @@ def _checked(q, k, v, names, scale, cu_seqlens, cu_seqlens_cmp=None, block_indic
         raise ValueError(f"gate must be a floating tensor (B, T, HQ) = {tuple(q.shape[:3])} on {q.device}, got "
                          f"{getattr(gate, 'dtype', type(gate))} {tuple(getattr(gate, 'shape', ()))}")
     _check_hparams(**hparams)
+    if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
+        raise ValueError(f"scale must be a positive number, got {scale!r}")
     B, T, Tk = q.shape[0], q.shape[1], k.shape[1]
     check_cu_seqlens(cu_seqlens, B, T, q.device)
     if "cmp_stride" not in hparams:                                            # raw keys: one per query

@@ -32,13 +32,17 @@ import triton.language as tl
 # launch parameters: M = query rows (whole tokens x their G heads, packed) per program, BN = keys per step; picked on
 # one H100 by bench.py's layer-mode sweep at T = 65536, HQ = 64 (G = 16), H = 4, D = 128, bf16. For G < SMALL_G the
 # "*_small_g" entries replace them (the same sweep, gated, at HQ = 16 and at Track B's shape, T = 8192), and for heads
-# at most SMALL_D wide the "*_small_d" ones (Track B's shape: D = 64; launch_entry). keys_major ("select") holds the
-# scores as [compressed keys, query rows]: faster at G = 1..4 (sized there by tokens per program), slower at G = 16.
+# at most SMALL_D wide the "*_small_d" ones (Track B's shape: D = 64; launch_entry), where maxnreg (Triton's cap on
+# registers per thread) fits four blocks per multiprocessor instead of three without spilling (it spills at D = 128).
+# keys_major ("select") holds the scores as [compressed keys, query rows]: faster at G = 1..4 (sized there by tokens
+# per program), slower at G = 16.
 CONFIG = {
     "fwd": dict(M=128, BN=64, num_warps=4, num_stages=2),
     "fwd_small_g": dict(M=64, BN=64, num_warps=4, num_stages=2),
+    "fwd_small_d": dict(M=64, BN=64, num_warps=4, num_stages=2, maxnreg=128),
     "dq": dict(M=128, BN=64, num_warps=8, num_stages=2),
     "dq_small_g": dict(M=64, BN=64, num_warps=4, num_stages=2),
+    "dq_small_d": dict(M=64, BN=64, num_warps=4, num_stages=2, maxnreg=128),
     "dkv": dict(M=128, BN=64, num_warps=8, num_stages=2),
     "dkv_small_d": dict(M=64, BN=64, num_warps=4, num_stages=3),
     "select": dict(M=256, keys_major=False, num_warps=8, num_stages=2),
@@ -96,21 +100,22 @@ def store_rows(ptr, rows, m, x, D: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def softmax_rescale(b_s, m_i):
-    """The online softmax (base 2) meets one more key tile: b_s [M, BN] scaled scores, -inf where masked; m_i [M] the
-    running max. Returns the new max, alpha [M] (the factor of the old sum and accumulator) and p [M, BN]. A row with
+def softmax_rescale(b_s, m_i, scale):
+    """The online softmax (base 2) meets one more key tile: b_s [M, BN] scores before the scale (> 0: the scale is
+    one multiply-add with the max in the exponent, as in flash attention), -inf where masked; m_i [M] the running
+    max, scaled. Returns the new max, alpha [M] (the factor of the old sum and accumulator) and p [M, BN]. A row with
     no key yet keeps max -inf and p = 0."""
-    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+    m_new = tl.maximum(m_i, tl.max(b_s, 1) * scale)
     m_use = tl.where(m_new == float("-inf"), 0., m_new)
     alpha = tl.exp2(m_i - m_use)
-    return m_new, alpha, tl.exp2(b_s - m_use[:, None])
+    return m_new, alpha, tl.exp2(b_s * scale - m_use[:, None])
 
 
 @triton.jit
-def softmax_step(b_s, b_v, m_i, l_i, acc):
-    """One online-softmax step over a key tile: scores b_s [M, BN] (-inf where masked), values b_v [BN, BDV]; the
-    running max m_i, sum l_i [M] and fp32 accumulator acc [M, BDV] are rescaled and extended."""
-    m_new, alpha, b_p = softmax_rescale(b_s, m_i)                                         # b_p [M, BN]
+def softmax_step(b_s, scale, b_v, m_i, l_i, acc):
+    """One online-softmax step over a key tile: scores b_s [M, BN] before the scale (-inf where masked), values b_v
+    [BN, BDV]; the running max m_i, sum l_i [M] and fp32 accumulator acc [M, BDV] are rescaled and extended."""
+    m_new, alpha, b_p = softmax_rescale(b_s, m_i, scale)                                  # b_p [M, BN]
     l_i = l_i * alpha + tl.sum(b_p, 1)
     acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)                           # [M, BDV]
     return m_new, l_i, acc
@@ -299,10 +304,10 @@ def _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, k_from, k_to, k_end, scale_l
         k_off = c.to(tl.int64) * H + i_h
         b_k = load_rows(k, k_off, c < k_end, D, BD)                                       # [BN, BD]
         b_v = load_rows(v, k_off, c < k_end, DV, BDV)                                     # [BN, BDV]
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                                     # [M, BN]
+        b_s = tl.dot(b_q, tl.trans(b_k))                                                  # [M, BN]
         if MASK:
             b_s = tl.where((c[None, :] >= b_lo[:, None]) & (c[None, :] < b_hi[:, None]), b_s, float("-inf"))
-        m_i, l_i, acc = softmax_step(b_s, b_v, m_i, l_i, acc)
+        m_i, l_i, acc = softmax_step(b_s, scale_log2, b_v, m_i, l_i, acc)
     return m_i, l_i, acc
 
 
@@ -594,10 +599,10 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
 def _dec_step(b_q, b_k, b_v, valid, m_i, l_i, acc, scale_log2, PREC: tl.constexpr):
     """softmax_step for a [BG, D] query tile over a [BN, D] key tile, with dots in PREC: "ieee" for fp32 caches (a
     decode step is memory-bound, so exact fp32 costs nothing), else "tf32"; the accumulator is updated before the
-    sum (the other order takes more registers with fp32 caches). Returns the scores too."""
+    sum (the other order takes more registers with fp32 caches). Returns the scores too (scaled)."""
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * scale_log2
     b_s = tl.where(valid[None, :], b_s, float("-inf"))                    # [BG, BN]
-    m_new, alpha, b_p = softmax_rescale(b_s, m_i)
+    m_new, alpha, b_p = softmax_rescale(b_s, m_i, 1.)
     acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)     # [BG, BDV]
     return b_s, m_new, l_i * alpha + tl.sum(b_p, 1), acc
 

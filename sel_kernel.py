@@ -45,6 +45,7 @@ CONFIG = {
     "dkv": dict(rows=64, chunk_rows=16384, num_warps=4, num_stages=3),
     "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by G
     "key_fwd": dict(rows=64, num_warps=4, num_stages=3),  # its chunks are key_bwd's (one reverse index)
+    "key_fwd_small_d": dict(rows=64, num_warps=4, num_stages=3, maxnreg=128),  # heads <= SMALL_D, as nsa_kernels'
     "key_bwd": dict(rows=128, chunk_rows=4096, num_warps=8, num_stages=3),  # dk/dv on the key path (dq partials too)
     "key_bwd_small_d": dict(rows=64, chunk_rows=2048, num_warps=4, num_stages=3),  # heads <= SMALL_D (nsa_kernels)
     "key_sum": dict(rows=16, num_warps=4),  # the merge of a token's o partials and the sum of its dq partials
@@ -103,13 +104,13 @@ def _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h, H
                 DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
     """Keys kc .. kc + BK - 1 of selected block j (positions j*l' + kc .. of the sequence starting at token bos),
     read by the rows m_row up to their own positions rel_r (rel_max: the largest of them): K [BK, BD], V [BK, BDV],
-    the scaled scores [M, BK] and where they count."""
+    the scores [M, BK] before the scale and where they count."""
     u = j * BS + kc + tl.arange(0, BK)                                      # [BK] key positions (relative)
     m_k = (kc + tl.arange(0, BK) < BS) & (u >= 0) & (u <= rel_max)          # none when no row uses j
     k_off = (bos + u).to(tl.int64) * H + i_h
     b_k = load_rows(k, k_off, m_k, D, BD)                                   # [BK, BD]
     b_v = load_rows(v, k_off, m_k, DV, BDV)                                 # [BK, BDV]
-    b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                           # [M, BK]
+    b_s = tl.dot(b_q, tl.trans(b_k))                                        # [M, BK]
     return b_k, b_v, b_s, m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])  # causal inside the block
 
 
@@ -121,7 +122,7 @@ def _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_lo
     for kc in tl.static_range(0, BS, BK):
         _, b_v, b_s, m_s = _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h,
                                        H, D, DV, BD, BDV, BS, BK)
-        m_i, l_i, acc = softmax_step(tl.where(m_s, b_s, float("-inf")), b_v, m_i, l_i, acc)
+        m_i, l_i, acc = softmax_step(tl.where(m_s, b_s, float("-inf")), scale_log2, b_v, m_i, l_i, acc)
     return m_i, l_i, acc
 
 
@@ -173,7 +174,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_m
     for kc in tl.static_range(0, BS, BK):
         b_k, b_v, b_s, m_s = _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h,
                                          H, D, DV, BD, BDV, BS, BK)
-        b_p = tl.where(m_s, tl.exp2(b_s - b_lse[:, None]), 0.)
+        b_p = tl.where(m_s, tl.exp2(b_s * scale_log2 - b_lse[:, None]), 0.)
         b_dp = tl.dot(b_do, tl.trans(b_v))                                  # [M, BK]
         b_ds = b_p * (b_dp - b_delta[:, None])
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)                             # [M, BD]
@@ -329,9 +330,10 @@ def _sel_key_fwd_kernel(q, k, v, o_part, lse_part, perm, c_begin, c_end, c_key, 
                                                    H, D, DV, BD, BDV, BS, BK)
     for e in range(e0, e1, M // G):
         t_r, m_r, t_off, hq_r, rel_r, b_q, pr = _key_pairs(q, perm, pos, e, e1, i_h, T0, H, G, M, D, BD, NS)
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                       # [M, BK]
+        b_s = tl.dot(b_q, tl.trans(b_k))                                    # [M, BK]
         m_s = m_r[:, None] & m_k[None, :] & (rel_k[None, :] <= rel_r[:, None])  # causal inside the block
-        m_i, _, b_p = softmax_rescale(tl.where(m_s, b_s, float("-inf")), tl.full([M], float("-inf"), tl.float32))
+        m_i, _, b_p = softmax_rescale(tl.where(m_s, b_s, float("-inf")), tl.full([M], float("-inf"), tl.float32),
+                                      scale_log2)
         b_o, b_lse = softmax_finish(m_i, tl.sum(b_p, 1), tl.dot(b_p.to(b_v.dtype), b_v))   # [M, BDV], [M]
         row = pr * NKC + i_kc
         store_rows(o_part, row, m_r, b_o, DV, BDV)
@@ -373,7 +375,7 @@ def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, gate, T0, T1, H: tl.con
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     m_r, t_off, hq_r, rows, m_p = _token_partials(idx, T0, T1, i_t, i_h, H, G, M, NS, NKC, BP)
     b_lse = tl.load(lse_part + rows, mask=m_p, other=float("-inf"))         # [M, BP]
-    m_i, _, b_w = softmax_rescale(b_lse, tl.full([M], float("-inf"), tl.float32))    # b_w [M, BP]: weights
+    m_i, _, b_w = softmax_rescale(b_lse, tl.full([M], float("-inf"), tl.float32), 1.)    # b_w [M, BP]: weights
     acc = tl.sum(_load_partials(o_part, rows, m_p, DV, BDV) * b_w[:, :, None], 1)   # [M, BDV]
     b_o, b_lse = softmax_finish(m_i, tl.sum(b_w, 1), acc)
     store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate, t_off + hq_r, m_r, GATED), DV, BDV)
@@ -566,10 +568,15 @@ def _reverse_index(key, idx, pos, t0, sel_block, NB, chunk):
     return perm.to(perm_dtype), c_begin, c_end, c_key, seg_c0_32, seg_c1_32
 
 
+def _key_entry(name, D, DV):
+    """The CONFIG entry of key-path kernel `name` ("key_fwd" or "key_bwd"): "{name}_small_d" for heads of at most
+    SMALL_D, else name."""
+    return f"{name}_small_d" if max(D, DV) <= SMALL_D else name
+
+
 def _dkv_entry(key_path, D, DV):
-    """The CONFIG entry of the dk/dv pass: "dkv" on the query path; on the key path "key_bwd", or "key_bwd_small_d"
-    for heads of at most SMALL_D."""
-    return "dkv" if not key_path else "key_bwd_small_d" if max(D, DV) <= SMALL_D else "key_bwd"
+    """The CONFIG entry of the dk/dv pass: "dkv" on the query path, the key path's "key_bwd" entry on the other."""
+    return _key_entry("key_bwd", D, DV) if key_path else "dkv"
 
 
 def _plan(NT, HQ, H, NS, D, DV, sel_block):
@@ -637,7 +644,7 @@ def _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_l
     """The key-centric forward on packed inputs, window by window: partials per (token, query head, slot,
     sub-block), then the merge (which applies the gate gf, (NT, HQ) fp32 or None)."""
     NT, HQ, DV = qf.shape[0], qf.shape[1], vf.shape[2]
-    cfg = dict(CONFIG["key_fwd"])
+    cfg = dict(CONFIG[_key_entry("key_fwd", kf.shape[2], DV)])
     c, NKC = _key_tiles(c, c["BS"])
     M = tile_m(cfg.pop("rows"), c["G"])
     o_part = torch.empty(rows, DV, device=qf.device, dtype=qf.dtype)           # lse and the merge: fp32

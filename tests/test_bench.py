@@ -168,8 +168,8 @@ def test_selection_sweep_times_each_kernel_on_its_path(bench, monkeypatch, capsy
     monkeypatch.setattr(bench, "fwd_bwd", lambda f, *inputs: (record, record))
     bench.selection_sweep(None, "select")
     lines = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
-    key_bwd = sel_kernel._dkv_entry(True, bench.D, bench.Dv)                  # the key path's dk/dv entry at D
-    assert len(lines) == len(seen) and {"fwd", "dq", "dkv", "key_fwd", key_bwd, "key_sum"} == set(lines)
+    key_fwd, key_bwd = (sel_kernel._key_entry(n, bench.D, bench.Dv) for n in ("key_fwd", "key_bwd"))  # at this D
+    assert len(lines) == len(seen) and {"fwd", "dq", "dkv", key_fwd, key_bwd, "key_sum"} == set(lines)
     for kname, (path, cfg) in zip(lines, seen):
         assert path == ("key" if kname.startswith("key") else "query")
         changed = {k for k in cfg if cfg[k] != before[k]}
@@ -217,9 +217,9 @@ def test_captured_replay_matches_eager(bench):
 
 @pytest.mark.parametrize("hq", (4, 64))
 def test_layer_sweep_varies_the_entries_its_g_takes(bench, monkeypatch, capsys, hq):
-    """At G < nsa_kernels.SMALL_G the layer sweep varies the *_small_g entries that the kernels then read, else the
-    others (and *_small_d ones for narrow heads); the branches are timed with their gate; CONFIG is as before
-    afterwards."""
+    """The layer sweep varies the entries that the kernels then read: *_small_d ones for narrow heads, else at
+    G < nsa_kernels.SMALL_G the *_small_g ones, where CONFIG has them; the branches are timed with their gate;
+    CONFIG is as before afterwards."""
     import nsa_kernels
     before = {k: dict(v) for k, v in nsa_kernels.CONFIG.items()}
     changed, n_inputs = set(), []
@@ -238,8 +238,9 @@ def test_layer_sweep_varies_the_entries_its_g_takes(bench, monkeypatch, capsys, 
     monkeypatch.setattr(bench, "layer_hq", (hq,))
     bench.layer_sweep(None)
     small = hq // bench.H < nsa_kernels.SMALL_G
-    dkv = "dkv_small_d" if max(bench.D, bench.Dv) <= nsa_kernels.SMALL_D else "dkv"
-    assert changed == ({"fwd_small_g", "dq_small_g", dkv, "select_small_g"} if small else
-                       {"fwd", "dq", dkv, "select"})
+    narrow = max(bench.D, bench.Dv) <= nsa_kernels.SMALL_D
+    ranges = ({"fwd_small_d", "dq_small_d", "dkv_small_d"} if narrow else {"fwd_small_g", "dq_small_g", "dkv"} if small
+              else {"fwd", "dq", "dkv"})
+    assert changed == ranges | {"select_small_g" if small else "select"}
     assert n_inputs == [4, 4]                                                 # q, k, v and the gate
     assert nsa_kernels.CONFIG == before and "failed" not in capsys.readouterr().out

@@ -201,7 +201,8 @@ def test_launch_entry_by_width_then_group():
     *_small_g entry where it has one, else the kernel's own entry; and the range kernels launch with it."""
     d, g = nk.SMALL_D, nk.SMALL_G
     assert nk.launch_entry("dkv", g, d) == "dkv_small_d" and nk.launch_entry("dkv", 1, d + 1) == "dkv"
-    assert nk.launch_entry("fwd", 1, d) == "fwd_small_g" and nk.launch_entry("fwd", g, d) == "fwd"
+    assert nk.launch_entry("fwd", 1, d) == "fwd_small_d" and nk.launch_entry("fwd", g, d + 1) == "fwd"
+    assert nk.launch_entry("fwd", 1, d + 1) == "fwd_small_g" and nk.launch_entry("select", 1, d) == "select_small_g"
     q, k = torch.zeros(1, 1, 2 * g, d), torch.zeros(1, 1, 2, d)
     assert nk._launch_cfg("dkv", q, k, k)[0] == nk.CONFIG["dkv_small_d"]["M"]
 

@@ -282,6 +282,8 @@ def test_errors_name_the_argument():
         (lambda: N.window_attention(q, k, rnd(1, 10, 1, 8), 4), "v must be"),
         (lambda: N.window_attention(q, rnd(1, 10, 2, 6), v, 4), "k must be"),
         (lambda: N.window_attention(q, k, v, 0), "window must be a positive int"),
+        (lambda: N.window_attention(q, k, v, 4, scale=-0.5), "scale must be a positive number"),
+        (lambda: N.selection_attention(q, k, v, idx, 16, scale=float("nan")), "scale must be a positive number"),
         (lambda: N.window_attention(q, k, v, 4, backend="cuda"), "backend must be"),
         (lambda: N.selection_attention(q, k, v, idx.long(), 16), "block_indices must be an int32"),
         (lambda: N.selection_attention(q, k, v, idx[:, :5], 16), "block_indices must be (B, T, H, n)"),

@@ -57,7 +57,8 @@ def path(request, monkeypatch):
     32-row chunks, so a block's list of pairs spans several chunks and tiles."""
     monkeypatch.setitem(sel_kernel.CONFIG, "path", request.param)
     if request.param == "key" and not CUDA:
-        monkeypatch.setitem(sel_kernel.CONFIG, "key_fwd", dict(sel_kernel.CONFIG["key_fwd"], rows=16))
+        for name in ("key_fwd", "key_fwd_small_d"):
+            monkeypatch.setitem(sel_kernel.CONFIG, name, dict(sel_kernel.CONFIG[name], rows=16))
         for name in ("key_bwd", "key_bwd_small_d"):
             monkeypatch.setitem(sel_kernel.CONFIG, name, dict(sel_kernel.CONFIG[name], rows=16, chunk_rows=32))
     return request.param
@@ -432,8 +433,10 @@ def test_auto_rule_and_bad_path(monkeypatch):
 
 def test_dkv_entry_by_path_and_head_width(monkeypatch):
     """The dk/dv pass's CONFIG entry, which also sets the index's chunks: "dkv" on the query path, on the key path
-    "key_bwd_small_d" for heads up to SMALL_D wide (Dv counts too), else "key_bwd"."""
+    "key_bwd_small_d" for heads up to SMALL_D wide (Dv counts too), else "key_bwd"; the key path's forward likewise."""
     d = sel_kernel.SMALL_D
+    assert sel_kernel._key_entry("key_fwd", d, d) == "key_fwd_small_d" in sel_kernel.CONFIG
+    assert sel_kernel._key_entry("key_fwd", d, d + 1) == sel_kernel._key_entry("key_fwd", d + 1, d) == "key_fwd"
     assert sel_kernel._dkv_entry(False, d, d) == "dkv"
     assert sel_kernel._dkv_entry(True, d, d) == "key_bwd_small_d"
     assert sel_kernel._dkv_entry(True, d, 2 * d) == sel_kernel._dkv_entry(True, 2 * d, d) == "key_bwd"
