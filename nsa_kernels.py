@@ -525,6 +525,13 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
     b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                                          # [M, BD]
     b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.) * 1.4426950408889634          # [M] base 2
     tb = pos_b // LS                                                                      # [BT] own block
+    # Eq. 9's weights of a chunk's compressed blocks (starts o_c * DS) in its NP selection blocks (starts o_j * LS)
+    # and in the next chunk's first block: the same for every chunk, whose starts all move by j0 * LS
+    if KEYS_MAJOR:
+        w = _overlap(o_c[None, :] * DS, o_j[:, None] * LS, L, LS, DS)                     # [NP, BKC]
+    else:
+        w = _overlap(o_c[:, None] * DS, o_j[None, :] * LS, L, LS, DS)                     # [BKC, NP]
+    spill_w = _overlap(o_c * DS, NP * LS, L, LS, DS)                                      # [BKC]
     top = tl.full([BT, NP], -1, tl.int64)                 # running top-NP keys, sorted descending
     for s in range(s_first, s_last + 1):                  # a tile may straddle packed sequences
         if VARLEN:
@@ -541,15 +548,11 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
             m_c = (o_c < NP * CPS) & (ic < n_c)
             k_off = (c_bos + ic).to(tl.int64) * H + i_h
             b_k = load_rows(k, k_off, m_c, D, BD)                                         # [BKC, BD]
-            st = ic * DS                                                                  # [BKC] starts
-            js = (j0 + o_j) * LS                                                          # [NP] block starts
-            spill_w = _overlap(st, (j0 + NP) * LS, L, LS, DS)     # [BKC] weights into the next chunk's first block
             if KEYS_MAJOR:                                # compressed keys on the score tile's rows
                 b_s = tl.dot(b_k, tl.trans(b_q)) * scale_log2                             # [BKC, M]
                 vis = m_rs[None, :] & m_c[:, None] & (ic[:, None] * DS + L - 1 <= pos_r[None, :])
                 b_p = tl.where(vis, tl.exp2(b_s - b_lse[None, :]), 0.)                    # Eq. 8
                 b_pg = tl.sum(tl.reshape(b_p, [BKC, BT, BG]), 2)                          # [BKC, BT] Eq. 10
-                w = _overlap(st[None, :], js[:, None], L, LS, DS)                         # [NP, BKC] Eq. 9
                 b_sc = tl.trans(tl.dot(w, b_pg, input_precision="tf32x3"))                # [BT, NP]
                 spill = tl.sum(b_pg * spill_w[:, None], 0)
             else:
@@ -557,7 +560,6 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
                 vis = m_rs[:, None] & m_c[None, :] & (ic[None, :] * DS + L - 1 <= pos_r[:, None])
                 b_p = tl.where(vis, tl.exp2(b_s - b_lse[:, None]), 0.)                    # Eq. 8
                 b_pg = tl.sum(tl.reshape(b_p, [BT, BG, BKC]), 1)                          # [BT, BKC] Eq. 10
-                w = _overlap(st[:, None], js[None, :], L, LS, DS)                         # [BKC, NP] Eq. 9
                 if BT >= 16:
                     b_sc = tl.dot(b_pg, w, input_precision="ieee")                        # [BT, NP]
                 else:
