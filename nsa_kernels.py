@@ -542,23 +542,32 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
             n_c = SEQ_TK
         m_rs = m_r & (seq_r == s)
         m_bs = m_b & (seq_b == s)
+        lse_s = tl.where(m_rs, b_lse, float("inf"))       # p = 0 on rows of other sequences and padding rows
         carry = tl.zeros([BT], tl.float32)                # weight spilling into the next chunk's first block
+        pos_min = tl.min(tl.where(m_bs, pos_b, INT_MAX), 0)                               # the tile's first token
         for j0 in range(0, tl.max(tl.where(m_bs, tb + 1, 0), 0), NP):
             ic = j0 * CPS + o_c                                                           # [BKC] relative ids
             m_c = (o_c < NP * CPS) & (ic < n_c)
+            # no mask where each token of sequence s sees every key of the chunk: only its last chunks need one
+            c_end = (j0 + NP) * CPS
+            seen = (BKC == NP * CPS) & (c_end <= n_c) & ((c_end - 1) * DS + L - 1 <= pos_min)
             k_off = (c_bos + ic).to(tl.int64) * H + i_h
             b_k = load_rows(k, k_off, m_c, D, BD)                                         # [BKC, BD]
             if KEYS_MAJOR:                                # compressed keys on the score tile's rows
                 b_s = tl.dot(b_k, tl.trans(b_q)) * scale_log2                             # [BKC, M]
-                vis = m_rs[None, :] & m_c[:, None] & (ic[:, None] * DS + L - 1 <= pos_r[None, :])
-                b_p = tl.where(vis, tl.exp2(b_s - b_lse[None, :]), 0.)                    # Eq. 8
+                b_p = tl.exp2(b_s - lse_s[None, :])                                       # Eq. 8
+                if not seen:
+                    vis = m_c[:, None] & (ic[:, None] * DS + L - 1 <= pos_r[None, :])
+                    b_p = tl.where(vis, b_p, 0.)
                 b_pg = tl.sum(tl.reshape(b_p, [BKC, BT, BG]), 2)                          # [BKC, BT] Eq. 10
                 b_sc = tl.trans(tl.dot(w, b_pg, input_precision="tf32x3"))                # [BT, NP]
                 spill = tl.sum(b_pg * spill_w[:, None], 0)
             else:
                 b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                             # [M, BKC]
-                vis = m_rs[:, None] & m_c[None, :] & (ic[None, :] * DS + L - 1 <= pos_r[:, None])
-                b_p = tl.where(vis, tl.exp2(b_s - b_lse[:, None]), 0.)                    # Eq. 8
+                b_p = tl.exp2(b_s - lse_s[:, None])                                       # Eq. 8
+                if not seen:
+                    vis = m_c[None, :] & (ic[None, :] * DS + L - 1 <= pos_r[:, None])
+                    b_p = tl.where(vis, b_p, 0.)
                 b_pg = tl.sum(tl.reshape(b_p, [BT, BG, BKC]), 1)                          # [BT, BKC] Eq. 10
                 if BT >= 16:
                     b_sc = tl.dot(b_pg, w, input_precision="ieee")                        # [BT, NP]

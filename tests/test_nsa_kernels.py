@@ -256,12 +256,14 @@ def test_select_blocks_forced_padding_and_own_lse():
 @pytest.mark.parametrize("G", (1, 3, 8, 20))
 def test_select_blocks_both_layouts(monkeypatch, keys_major, G):
     """The score tile as [query rows, keys] and as [keys, query rows] (CONFIG picks one by G), each at small and large
-    G, var-length, against the reference (G = 20 takes [query rows, keys] either way: too few tokens per tile)."""
+    G, against the reference (G = 20 takes [query rows, keys] either way: too few tokens per tile); var-length and
+    rows of 250 tokens (tiles across two rows), with 30-50 blocks: chunks of 16 that a tile sees whole (no mask);
+    no local blocks forced, so the scores next to a query decide too."""
     monkeypatch.setattr(nk, "SMALL_G", 0)                                    # every G takes CONFIG["select"]
     monkeypatch.setitem(nk.CONFIG, "select", dict(nk.CONFIG["select"], keys_major=keys_major, tokens=16))
-    cu = torch.tensor([0, 70, 190], dtype=torch.int32)
-    idx, ref = run_sel(1, 190, 2 * G, 2, 32, 8, 4, 16, 4, 1, 2, seed=G, cu=cu)
-    assert torch.equal(idx, ref), f"{(idx != ref).any(-1).sum().item()} of {idx[..., 0].numel()} rows differ"
+    for B, T, cu in ((1, 400, torch.tensor([0, 70, 400], dtype=torch.int32)), (2, 250, None)):
+        idx, ref = run_sel(B, T, 2 * G, 2, 32, 8, 4, 8, 4, 1, 0, seed=G, cu=cu)
+        assert torch.equal(idx, ref), f"{(idx != ref).any(-1).sum().item()} of {idx[..., 0].numel()} rows differ"
 
 
 def test_select_blocks_varlen():
