@@ -12,12 +12,12 @@ public functions at the bottom; test_nsa_kernels.py and test_decode.py check the
 # (natural log).
 #
 # Block selection (Eq. 8-10) streams the compressed keys again with the compressed branch's lse: per chunk of NP
-# selection blocks it computes p_cmp [BT*BG, BKC] (heads padded to BG; at small G as [BKC, BT*BG], keys on the rows,
-# which makes the head sum a row reduction and Eq. 9 a dot of [NP, BKC] weights), sums the group's heads (Eq. 10), maps
-# compressed to selection blocks with the overlap weights (Eq. 9; a carry holds the part of the last compressed blocks
-# that spills into the next chunk), packs (score bits, -j) into one int64 and merges it into a running sorted top-NP
-# list (bitonic merge: the top-NP of two sorted lists is max(a_desc, b_asc)). Only the (B, T, H, n) int32 indices
-# are written.
+# selection blocks (causally masked only where a token of the tile does not see the whole chunk) it computes p_cmp
+# [BT*BG, BKC] (heads padded to BG; at small G as [BKC, BT*BG], keys on the rows, which makes the head sum a row
+# reduction and Eq. 9 a dot of [NP, BKC] weights), sums the group's heads (Eq. 10), maps compressed to selection blocks
+# with the overlap weights (Eq. 9; a carry holds the part of the last compressed blocks that spills into the next
+# chunk), packs (score bits, -j) into one int64 and merges it into a running sorted top-NP list (bitonic merge: the
+# top-NP of two sorted lists is max(a_desc, b_asc)). Only the (B, T, H, n) int32 indices are written.
 #
 # Decode: one query token per row over nsa_attention.nsa_cache in four launches (see "decode kernels" below).
 # The file reads: shared pieces -> range attention kernels -> selection kernel -> decode kernels -> host launchers ->
