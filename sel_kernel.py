@@ -767,7 +767,7 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
     no host sync, deterministic backward. q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv) fp16/bf16 (fp32 works:
     tf32 dots on GPU); HQ % H == 0. block_indices int32 (B, T, H, n): for token t and kv head h the block ids j (keys
     [j*l', (j+1)*l') masked to <= t); -1 or ids outside [0, t // l'] are ignored. cu_seqlens int32 (N+1,) with
-    B == 1: packed sequences, positions and block ids relative to each start. scale defaults to D ** -0.5. gate
+    B == 1: packed sequences, positions and block ids relative to each start. scale (> 0) defaults to D ** -0.5. gate
     (B, T, HQ) or None scales each row of o. Returns o (B, T, HQ, Dv)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D (B, T, HQ|H, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
