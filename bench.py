@@ -482,7 +482,8 @@ def selection_sweep(trained, source):
                 return fn()
         return run
 
-    key_fwd, key_bwd = (sel_kernel._key_entry(n, D, Dv) for n in ("key_fwd", "key_bwd"))  # this head width's
+    key_fwd, key_bwd = (nsa_kernels.launch_entry(n, HQ // H, max(D, Dv), sel_kernel.CONFIG)  # this shape's
+                        for n in ("key_fwd", "key_bwd"))
     grid = {"fwd": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
             "dq": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
             "dkv": [dict(rows=r, chunk_rows=16384, num_warps=w, num_stages=s)

@@ -819,11 +819,13 @@ def _sizes(q, k, v, rows):
     return dict(c, M=M), M // c["G"]
 
 
-def launch_entry(name, G, width):
-    """The CONFIG entry kernel `name` launches with at G query heads per kv head and heads width = max(D, Dv) wide:
-    "{name}_small_d" up to SMALL_D wide, else "{name}_small_g" below SMALL_G, where CONFIG has them, else name."""
+def launch_entry(name, G, width, table=None):
+    """The entry of `table` (this file's CONFIG, or sel_kernel's) kernel `name` launches with at G query heads per kv
+    head and heads width = max(D, Dv) wide: "{name}_small_d" up to SMALL_D wide, else "{name}_small_g" below SMALL_G,
+    where the table has them, else name."""
+    table = CONFIG if table is None else table
     for entry, applies in ((f"{name}_small_d", width <= SMALL_D), (f"{name}_small_g", G < SMALL_G)):
-        if applies and entry in CONFIG:
+        if applies and entry in table:
             return entry
     return name
 
@@ -875,16 +877,16 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale):
     if NK > 0 and NT > 0:
         M, launch = _launch_cfg("dkv", q, k, v)
         c, BT = _sizes(q, k, v, M)
-        rows = 1 if geo["VARLEN"] else NK // geo["SEQ_TK"]  # key tiles per row without var-length input
+        rows = 1 if geo["VARLEN"] else NK // geo["SEQ_TK"]  # key tiles stay inside a row without var-length input
         q_span = NT // rows                                 # the tokens a key's queries lie in
+        key_tiles = rows * triton.cdiv(NK // rows, launch["BN"])
         # compressed keys are few (T / d): chunks of at least DKV_CHUNK tokens, so the grid aims at 2048 programs
-        n_key_programs = triton.cdiv(NK, launch["BN"]) * c["H"]
-        n_chunks = 1 if geo["KIND"] == 1 else min(triton.cdiv(q_span, DKV_CHUNK), triton.cdiv(2048, n_key_programs))
+        n_chunks = 1 if geo["KIND"] == 1 else min(triton.cdiv(q_span, DKV_CHUNK), triton.cdiv(2048, key_tiles * c["H"]))
         qch = triton.cdiv(triton.cdiv(q_span, n_chunks), BT) * BT
         nqc = triton.cdiv(q_span, qch)
         dk_p, dv_p = (dk, dv) if nqc == 1 else (k.new_empty(nqc, *k.shape, dtype=torch.float32),
                                                  v.new_empty(nqc, *v.shape, dtype=torch.float32))
-        _range_bwd_dkv_kernel[(rows * triton.cdiv(NK // rows, launch["BN"]), nqc, c["H"])](
+        _range_bwd_dkv_kernel[(key_tiles, nqc, c["H"])](
             q, k, v, do, lse2, delta, dk_p, dv_p, qlo, qhi, sl2, scale, NK, qch, **geo, **c, **launch)
         if nqc > 1:
             dk, dv = dk_p.sum(0).to(k.dtype), dv_p.sum(0).to(v.dtype)

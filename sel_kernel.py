@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_kernels import (SMALL_D, attention_op, gate_delta, gate_grad, gate_lse, gate_out, group_rows, head_sizes,
-                         load_rows, pack, pack_gate, sequences, softmax_finish, softmax_rescale, softmax_step,
-                         store_rows, tile_m, tile_rows)
+from nsa_kernels import (attention_op, gate_delta, gate_grad, gate_lse, gate_out, group_rows, head_sizes,
+                         launch_entry, load_rows, pack, pack_gate, sequences, softmax_finish, softmax_rescale,
+                         softmax_step, store_rows, tile_m, tile_rows)
 
 # Layout of the work (NT = all packed tokens, H kv heads, G = HQ / H query heads per kv head, l' = sel_block, n slots):
 # - forward and dq: query-centric. One program = BT = M // G consecutive tokens x the G heads of one kv group (an
@@ -568,15 +568,10 @@ def _reverse_index(key, idx, pos, t0, sel_block, NB, chunk):
     return perm.to(perm_dtype), c_begin, c_end, c_key, seg_c0_32, seg_c1_32
 
 
-def _key_entry(name, D, DV):
-    """The CONFIG entry of key-path kernel `name` ("key_fwd" or "key_bwd"): "{name}_small_d" for heads of at most
-    SMALL_D, else name."""
-    return f"{name}_small_d" if max(D, DV) <= SMALL_D else name
-
-
-def _dkv_entry(key_path, D, DV):
-    """The CONFIG entry of the dk/dv pass: "dkv" on the query path, the key path's "key_bwd" entry on the other."""
-    return _key_entry("key_bwd", D, DV) if key_path else "dkv"
+def _dkv_entry(key_path, G, D, DV):
+    """The CONFIG entry of the dk/dv pass: "dkv" on the query path, on the key path "key_bwd" or the entry for its
+    G and head width (nsa_kernels.launch_entry)."""
+    return launch_entry("key_bwd", G, max(D, DV), CONFIG) if key_path else "dkv"
 
 
 def _plan(NT, HQ, H, NS, D, DV, sel_block):
@@ -586,7 +581,7 @@ def _plan(NT, HQ, H, NS, D, DV, sel_block):
     chunk: about chunk_rows query rows of the dk/dv pass's CONFIG entry, in whole tiles)."""
     c = _sizes(HQ, H, D, DV, sel_block)
     key_path = _key_path(c["G"])
-    cfg = CONFIG[_dkv_entry(key_path, D, DV)]
+    cfg = CONFIG[_dkv_entry(key_path, c["G"], D, DV)]
     chunk = _chunk_pairs(cfg["rows"], cfg["chunk_rows"], c["G"])
     if not key_path:
         return False, max(NT, 1), 0, chunk
@@ -644,7 +639,7 @@ def _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_l
     """The key-centric forward on packed inputs, window by window: partials per (token, query head, slot,
     sub-block), then the merge (which applies the gate gf, (NT, HQ) fp32 or None)."""
     NT, HQ, DV = qf.shape[0], qf.shape[1], vf.shape[2]
-    cfg = dict(CONFIG[_key_entry("key_fwd", kf.shape[2], DV)])
+    cfg = dict(CONFIG[launch_entry("key_fwd", c["G"], max(kf.shape[2], DV), CONFIG)])
     c, NKC = _key_tiles(c, c["BS"])
     M = tile_m(cfg.pop("rows"), c["G"])
     o_part = torch.empty(rows, DV, device=qf.device, dtype=qf.dtype)           # lse and the merge: fp32
@@ -725,7 +720,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
         _sel_bwd_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](qf, kf, vf, dof, lse, delta, dq, idx, pos, scale_log2,
                                                               scale, NT, M=M, NS=NS, BNS=triton.next_power_of_2(NS),
                                                               UNION=union, **c, **cfg)
-    cfg = dict(CONFIG[_dkv_entry(key_path, D, DV)])
+    cfg = dict(CONFIG[_dkv_entry(key_path, c["G"], D, DV)])
     cfg.pop("chunk_rows")                                                      # in the index
     c_kv, NKC = _key_tiles(c, sel_block)
     M = tile_m(cfg.pop("rows"), c["G"])

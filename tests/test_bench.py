@@ -157,6 +157,7 @@ def test_sweep_restores_config(bench, capsys):
 def test_selection_sweep_times_each_kernel_on_its_path(bench, monkeypatch, capsys):
     """The key path's kernels are swept on the key path and the query path's on the query path, whichever path
     "auto" would take at the bench's shape; CONFIG is as before afterwards."""
+    import nsa_kernels
     import sel_kernel
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in sel_kernel.CONFIG.items()}
     seen = []
@@ -168,7 +169,8 @@ def test_selection_sweep_times_each_kernel_on_its_path(bench, monkeypatch, capsy
     monkeypatch.setattr(bench, "fwd_bwd", lambda f, *inputs: (record, record))
     bench.selection_sweep(None, "select")
     lines = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
-    key_fwd, key_bwd = (sel_kernel._key_entry(n, bench.D, bench.Dv) for n in ("key_fwd", "key_bwd"))  # at this D
+    key_fwd, key_bwd = (nsa_kernels.launch_entry(n, bench.HQ // bench.H, max(bench.D, bench.Dv), sel_kernel.CONFIG)
+                        for n in ("key_fwd", "key_bwd"))  # at this shape
     assert len(lines) == len(seen) and {"fwd", "dq", "dkv", key_fwd, key_bwd, "key_sum"} == set(lines)
     for kname, (path, cfg) in zip(lines, seen):
         assert path == ("key" if kname.startswith("key") else "query")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import nsa_attention
+import nsa_kernels
 import sel_kernel
 from test_nsa_kernels import gate_grads, with_gate
 
@@ -434,12 +435,12 @@ def test_auto_rule_and_bad_path(monkeypatch):
 def test_dkv_entry_by_path_and_head_width(monkeypatch):
     """The dk/dv pass's CONFIG entry, which also sets the index's chunks: "dkv" on the query path, on the key path
     "key_bwd_small_d" for heads up to SMALL_D wide (Dv counts too), else "key_bwd"; the key path's forward likewise."""
-    d = sel_kernel.SMALL_D
-    assert sel_kernel._key_entry("key_fwd", d, d) == "key_fwd_small_d" in sel_kernel.CONFIG
-    assert sel_kernel._key_entry("key_fwd", d, d + 1) == sel_kernel._key_entry("key_fwd", d + 1, d) == "key_fwd"
-    assert sel_kernel._dkv_entry(False, d, d) == "dkv"
-    assert sel_kernel._dkv_entry(True, d, d) == "key_bwd_small_d"
-    assert sel_kernel._dkv_entry(True, d, 2 * d) == sel_kernel._dkv_entry(True, 2 * d, d) == "key_bwd"
+    d, entry, table = nsa_kernels.SMALL_D, nsa_kernels.launch_entry, sel_kernel.CONFIG
+    assert entry("key_fwd", 1, d, table) == "key_fwd_small_d" in table
+    assert entry("key_fwd", 1, d + 1, table) == "key_fwd"
+    assert sel_kernel._dkv_entry(False, 1, d, d) == "dkv"
+    assert sel_kernel._dkv_entry(True, 1, d, d) == "key_bwd_small_d"
+    assert sel_kernel._dkv_entry(True, 1, d, 2 * d) == sel_kernel._dkv_entry(True, 1, 2 * d, d) == "key_bwd"
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "key")
     monkeypatch.setitem(sel_kernel.CONFIG, "key_bwd", dict(sel_kernel.CONFIG["key_bwd"], rows=16, chunk_rows=64))
     monkeypatch.setitem(sel_kernel.CONFIG, "key_bwd_small_d", dict(sel_kernel.CONFIG["key_bwd"], chunk_rows=128))
