@@ -396,5 +396,6 @@ if master and export and not eval_only:
                                                 step=iter_num, architecture="nanoNSA GPT"))
     log.plot()
 if ddp:
+    del model  # the DDP wrapper goes before its process group does, not at interpreter exit
     dist.barrier()  # the ranks leave together: one that tore down while rank 0 still exported could abort (SIGABRT)
     dist.destroy_process_group()
