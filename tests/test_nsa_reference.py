@@ -156,6 +156,29 @@ def test_compress_blocks_and_varlen_offsets():
     assert out[:, :6].flatten().tolist() == [sum(range(s, s + 4)) for s in [3, 5, 7, 11, 13, 15]]
 
 
+@pytest.mark.parametrize("l,d", [(4, 2), (8, 4), (6, 2), (6, 4)])
+@pytest.mark.parametrize("T", [5, 8, 21])
+def test_compress_is_eq7_block_by_block(l, d, T):
+    # phi = identity shows each block as compress built it: tokens i*d .. i*d + l - 1 in order plus the position
+    # embedding (l a multiple of d or not); the gradient reaches each token once per block that holds it; one packed
+    # sequence gives the same blocks, also when it is shorter than a block (its padding blocks read inside x)
+    x = torch.randn(2, T, 2, 3, dtype=torch.float64, requires_grad=True)
+    pos_emb = torch.randn(l, 3, dtype=torch.float64, requires_grad=True)
+    out, _ = N.compress(x, pos_emb, lambda blocks: blocks, l, d)               # (2, Tc, 2, l*3)
+    Tc = N.num_cmp_blocks(T, l, d)
+    assert out.shape == (2, Tc, 2, l * 3)
+    if Tc:
+        want = torch.stack([(x[:, i * d:i * d + l] + pos_emb[:, None]).transpose(1, 2).flatten(2)
+                            for i in range(Tc)], 1)                            # (2, Tc, 2, l*3)
+        w = torch.randn_like(out)
+        assert torch.equal(out, want)
+        dx, dpos = torch.autograd.grad((out * w).sum(), (x, pos_emb))
+        assert torch.allclose(dx, torch.autograd.grad((want * w).sum(), x)[0])
+        assert torch.allclose(dpos, w.unflatten(-1, (l, 3)).sum((0, 1, 2)))
+    packed, cu = N.compress(x[:1], pos_emb, lambda blocks: blocks, l, d, torch.tensor([0, T], dtype=torch.int32))
+    assert cu.tolist() == [0, Tc] and torch.equal(packed[:, :Tc], out[:1])
+
+
 # ---------------------------------------------------------------------------------------------------- causality
 
 def nsa_config(**kw):
