@@ -607,7 +607,7 @@ class NSAAttention(nn.Module):
             self.recorded = dict(gate=g.detach(), cmp=o_cmp.detach(), slc=o_slc.detach(), win=o_win.detach())
         kv = dict(k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win, k_raw=k_raw, v_raw=v_raw, k_cmp=k_cmp,
                   v_cmp=v_cmp)
-        return self.wo(o.to(x.dtype).reshape(B, T, self.HQ * self.D)), kv
+        return self.wo(o.reshape(B, T, self.HQ * self.D)), kv
 
     def _gate(self, x):
         """Gate weights (..., HQ, 3) for x (..., C): softmax or sigmoid of the gate MLP, in fp32 (fp64 in gradcheck)."""
