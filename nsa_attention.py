@@ -173,8 +173,8 @@ def compress(x, pos_emb, phi, cmp_block, cmp_stride, cu_seqlens=None):
         c = torch.arange(T // cmp_stride, device=x.device)                     # (Tc,) packed compressed index
         seq = torch.searchsorted(cu_cmp[1:].long(), c, right=True).clamp_max(cu_cmp.numel() - 2)  # its sequence
         starts = cu_seqlens.long()[seq] + (c - cu_cmp.long()[seq]) * cmp_stride   # (Tc,) first position
-        starts = torch.where(c < cu_cmp[-1], starts, 0)                        # padding blocks: from position 0
-    idx = (starts[:, None] + torch.arange(cmp_block, device=x.device)).clamp_max(T - 1)  # (Tc, l); padding, T < l
+        starts = torch.where(c < cu_cmp[-1], starts, 0)                        # padding blocks start at 0
+    idx = (starts[:, None] + torch.arange(cmp_block, device=x.device)).clamp_max(T - 1)  # (Tc, l), inside x if T < l
     blocks = x[:, idx] + pos_emb[:, None, :].to(x.dtype)                       # (B, Tc, l, H, D)
     blocks = blocks.permute(0, 1, 3, 2, 4).flatten(3)                          # (B, Tc, H, l*D)
     return phi(blocks), cu_cmp                                                 # (B, Tc, H, Dout)
