@@ -54,8 +54,8 @@ Decode reads
     A decode step at context length S (the query at position S - 1) reads, per KV group, Tc(S) compressed tokens,
     the selected blocks' tokens (all S while S fits in n blocks, else n - 1 full blocks and the S - l' * ((S - 1)
     // l') tokens of the newest, which n_local >= 1 forces in) and min(w, S) window tokens (paper Table 4): with the
-    defaults 4095 + 1024 + 512 = 5631 at S = 65536 against 65536 for dense attention (the paper's
-    (S - l) / d + n*l' + w rounds this to 5632).
+    defaults 4095 + 1024 + 512 = 5631 at S = 65536 against 65536 for dense attention (the paper's Table 4 lists
+    5632 = S / d + n*l' + w).
 """
 import torch
 import torch.nn as nn
@@ -787,12 +787,10 @@ def decode_reads(S, cmp_block, cmp_stride, sel_block, n_select, window):
 
 
 def tokens_read_per_query(T, cmp_block, cmp_stride, sel_block, n_select, window):
-    """Mean keys a query reads over positions 0..T-1 (compressed + selected + window), per KV group (Table 4)."""
-    t = torch.arange(T, dtype=torch.float64)
-    cmp = torch.where(t + 1 < cmp_block, 0.0, torch.floor((t + 1 - cmp_block) / cmp_stride) + 1)
-    slc = torch.minimum(t + 1, torch.full_like(t, float(n_select * sel_block)))
-    win = torch.minimum(t + 1, torch.full_like(t, float(window)))
-    return float((cmp + slc + win).mean()) if T > 0 else 0.0
+    """Mean keys a query reads over positions 0..T-1 (compressed + selected + window), per KV group: the query at t
+    reads what a decode step at S = t + 1 reads (decode_reads)."""
+    reads = (sum(decode_reads(S, cmp_block, cmp_stride, sel_block, n_select, window)) for S in range(1, T + 1))
+    return sum(reads) / T if T > 0 else 0.0
 
 
 KERNELS, KERNEL_IMPORT_ERROR = _load_kernels()  # at the end: the kernel files may import from this one

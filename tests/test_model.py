@@ -88,9 +88,10 @@ def test_mfu_counts_the_keys_nsa_reads():
     nsa, dense = tiny("nsa"), tiny("dense")
     c = nsa.config                                                             # l=8, d=4, l'=16, n=4, w=32
     T = 1000
-    t = torch.arange(T, dtype=torch.float64)
-    cmp = torch.where(t + 1 < 8, 0.0, torch.floor((t + 1 - 8) / 4) + 1)
-    expect = float((cmp + torch.clamp(t + 1, max=64) + torch.clamp(t + 1, max=32)).mean())
+    S = torch.arange(1, T + 1, dtype=torch.float64)                            # the query at t reads S = t + 1 keys
+    cmp = torch.where(S < 8, 0.0, torch.floor((S - 8) / 4) + 1)
+    slc = torch.where(S <= 64, S, 48 + (S - 1) % 16 + 1)                       # 3 full blocks + the newest's tokens
+    expect = float((cmp + slc + torch.clamp(S, max=32)).mean())
     assert nsa.keys_per_query(T) == pytest.approx(expect)
     assert dense.keys_per_query(T) == pytest.approx((T + 1) / 2)
     extra = 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head)
