@@ -18,21 +18,22 @@ from model import GPT, GPTConfig, TrainLog, cpu_threads, export_safetensors, loa
 from prepare_data import TokenShards, atomic_write
 
 # -----------------------------------------------------------------------------
-# default config values: byte-level Shakespeare, NSA, ~10M parameters (config/track_a_shakespeare.py)
+# default config values: byte-level Shakespeare, NSA, Track A's model (12.6M parameters; config/track_a_shakespeare.py
+# trains it with its own dropout, betas and schedule)
 # I/O
 out_dir = "out"  # checkpoints, train_log.csv, loss.png, model.safetensors + config.json
 data_dir = "data/shakespeare_byte"  # written by prepare_data.py: train_*.bin, val_*.bin, meta.json
 init_from = "scratch"  # 'scratch' | 'resume' (continues out_dir/ckpt.pt bit for bit, in its architecture) | the path
 # of another run's ckpt.pt: a new run from its weights and architecture, with this run's block_size, data and schedule
 # (the next stage of a length curriculum: config/needle_nsa.py)
-overwrite = False  # let init_from='scratch' replace the ckpt.pt and train_log.csv of an earlier run in out_dir
+overwrite = False  # let a new run (init_from other than 'resume') replace an earlier run's ckpt.pt and train_log.csv
 eval_every = 250  # steps between evaluations of train/val loss
 eval_iters = 20  # batches per evaluation (the same batches every time, split over the ranks)
 log_every = 10  # steps between log lines / train_log.csv rows
 diag_every = 50  # steps between NSA statistics (gates, branch norms) from an extra eager forward; 0 = never
 save_every = 500  # steps between checkpoints (one is always written at the end, on STOP and on max_seconds)
 max_seconds = 0.0  # stop cleanly (with a checkpoint) after this many seconds of training; 0 = no limit
-eval_only = False  # evaluate once and exit
+eval_only = False  # evaluate once (init_from='resume': the saved checkpoint) and exit, out_dir's files untouched
 export = True  # write model.safetensors + config.json at the end
 compare_dir = ""  # another run's out_dir (e.g. the dense twin): loss.png also draws its curves, at equal steps
 seed = 1337  # model init and the data stream; same seed, same device, same flags -> same run
@@ -288,10 +289,10 @@ except OSError as e:
     raise ValueError(f"cannot write to out_dir={out_dir!r} ({e.strerror}): choose another --out_dir") from None
 start_iter, resumed = iter_num, init_from == "resume"
 log = TrainLog(log_path, raw_model.config, compare_dir)  # train_log.csv and loss.png (rank 0)
-if master and not resumed:  # overwrite=True (else an error above): the earlier run's checkpoint and log go
+if master and not resumed and not eval_only:  # overwrite=True (else an error above): the earlier run's files go
     for path in earlier:
         os.remove(path)
-if master and resumed:
+if master and resumed and not eval_only:
     log.truncate(start_iter)  # rows a crashed run wrote after its last checkpoint go
 data_state = train_gen.get_state()  # the data position of the batch held in X (what a checkpoint saves)
 X, Y, CU = next_batch(train_data, train_gen)
@@ -303,16 +304,17 @@ while True:
     for group in optimizer.param_groups:
         group["lr"] = lr
     last = stop_reason or iter_num >= max_iters
-    if (iter_num % eval_every == 0 or last) and not (resumed and iter_num == start_iter):
+    if eval_only or (iter_num % eval_every == 0 or last) and not (resumed and iter_num == start_iter):
         t_eval = time.time()
         losses = estimate_loss()
         t_log += time.time() - t_eval  # eval time is not training time
         if master:
             best_val_loss, ppl = min(best_val_loss, losses["val"]), math.exp(min(losses["val"], 50))
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, val ppl {ppl:.2f}")
-            log.append(kind="eval", step=iter_num, loss=f"{losses['train']:.6f}", val_loss=f"{losses['val']:.6f}",
-                       val_ppl=f"{ppl:.4f}", lr=lr)
-            log.plot()
+            if not eval_only:
+                log.append(kind="eval", step=iter_num, loss=f"{losses['train']:.6f}",
+                           val_loss=f"{losses['val']:.6f}", val_ppl=f"{ppl:.4f}", lr=lr)
+                log.plot()
     if eval_only:
         break
     if last or (iter_num % save_every == 0 and iter_num > start_iter):

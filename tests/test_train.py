@@ -159,6 +159,16 @@ def test_resume_is_bit_exact(full_run, data_dir, tmp_path):
     assert torch.equal(a["rng"]["data"], b["rng"]["data"])
 
 
+def test_eval_only_resume_evaluates_the_checkpoint_and_writes_nothing(full_run, data_dir, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(full_run, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    text = train(data_dir, str(out), "--init_from=resume", "--eval_only=True")
+    final = log_rows(full_run, "eval")[-1]                                     # the full run's eval at step 8
+    assert f"step 8: train loss {float(final['loss']):.4f}, val loss {float(final['val_loss']):.4f}" in text, text
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_ddp_two_ranks_matches_one_process(full_run, data_dir, tmp_path):
     out = str(tmp_path)
     text = train(data_dir, out, "--max_iters=4", nproc=2)  # 2 ranks x 1 micro-batch = the same 2 micro-batches
