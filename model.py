@@ -48,11 +48,9 @@ class GPTConfig:
     backend: str = "auto"          # "auto" | "torch" | "triton"
 
 
-PRESETS = {  # small shapes for tests and smoke runs
+PRESETS = {  # small shapes for tests
     "tiny": dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=256, cmp_block=8, cmp_stride=4,
                  sel_block=16, n_select=4, window=32, cmp_hidden=32),
-    "small": dict(n_layer=4, n_head=8, n_kv_head=2, n_embd=256, block_size=1024, cmp_block=16, cmp_stride=8,
-                  sel_block=32, n_select=8, window=128, cmp_hidden=128),
 }
 
 

@@ -35,7 +35,7 @@ needle_lengths = (1024, 2048, 4096, 8192, 16384, 32768, 65536)  # needle: contex
 needle_depths = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # needle: where the needle sits in the filler
 needle_trials = 4  # needle: documents per (length, depth), each with its own filler, name and key
 needle_count = 1  # needle: needles per document; > 1 is the multi-needle variant (the question asks one of them)
-needle_steps = 32  # needle: greedy decode steps per document; the answer is the first 5, every step is timed
+needle_steps = 32  # needle: greedy decode steps per document; the answer is the first 5, all but the first timed
 needle_batch_tokens = 1 << 20  # needle: prompt tokens decoded as one batch (rows = this // length, at least 1)
 needle_data = ""  # needle: the --dataset=needle directory (val filler and answers); "" = the checkpoint's data_dir
 needle_out = ""  # needle: path prefix of the CSV and PNGs; "" = out_dir/needle
@@ -236,14 +236,14 @@ def plot_selection_png(path, record, config, layer, group, mark_block=-1):
 
 def main():
     check_choice(dtype=("float32", "bfloat16", "float16"))
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(cpu_threads())
     if needle:
         return needle_main()
     if max_new_tokens < 1 or num_samples < 1:
         raise ValueError(f"max_new_tokens and num_samples must be >= 1, got {max_new_tokens}, {num_samples}")
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1, got {temperature}, {top_k}, {top_p}")
-    if torch.device(device).type == "cpu":
-        torch.set_num_threads(cpu_threads())
     torch.manual_seed(seed)
     model, train_cfg = load_model(out_dir, backend)
     cfg = model.config
