@@ -4,9 +4,11 @@ literal_eval'd; every key must be an existing default global of the script and k
 _overrides records what was set ({key: origin}); check_choice(key=options) checks a setting against its options.
 A ValueError raised by this repo's code is a user error: the script ends with its message as one line `error: ...`
 and exit status 1; any other exception keeps its traceback."""
+import builtins
 import difflib
 import os
 import sys
+import traceback
 import types
 from ast import literal_eval
 
@@ -69,8 +71,15 @@ for _arg in sys.argv[1:]:
         if not os.path.isfile(_arg):
             raise ValueError(f"no such config file {_arg!r} (arguments are config files or --key=value)")
         _scope = dict(globals())
-        with open(_arg) as _f:
-            exec(_f.read(), _scope)
+        try:  # a config file is the user's: what goes wrong in it is their error, told with its line
+            with open(_arg, encoding="utf-8") as _f:
+                exec(builtins.compile(_f.read(), _arg, "exec"), _scope)  # the script may have a `compile` setting
+        except Exception as _e:
+            _line = _e.lineno if isinstance(_e, SyntaxError) else next(
+                (_fr.lineno for _fr in reversed(traceback.extract_tb(_e.__traceback__)) if _fr.filename == _arg), None)
+            _what = _e.msg if isinstance(_e, SyntaxError) else str(_e)
+            raise ValueError(f"config file {_arg}" + (f", line {_line}" if _line else "")
+                             + f": {type(_e).__name__}: {_what}") from None
         _set = [_k for _k, _v in _scope.items()
                 if not _k.startswith("_") and not isinstance(_v, types.ModuleType) and _v is not globals().get(_k)]
         for _k in _set:

@@ -160,6 +160,9 @@ class GPT(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {config.dropout}")
         if not 0 < config.vocab_size <= 65536:
             raise ValueError(f"vocab_size must be in [1, 65536] (uint16 tokens), got {config.vocab_size}")
+        if min(config.n_layer, config.n_embd, config.block_size) < 1 or config.mlp_hidden < 0:
+            raise ValueError(f"n_layer, n_embd and block_size must be >= 1 and mlp_hidden >= 0, got {config.n_layer}, "
+                             f"{config.n_embd}, {config.block_size}, {config.mlp_hidden}")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
@@ -375,11 +378,19 @@ def load_model(out_dir, backend=""):
         raise ValueError(f"{path}: model_args do not fit GPTConfig ({e})") from e
     if model.config.tie_embeddings and "lm_head.weight" not in state and "wte.weight" in state:
         state = {**state, "lm_head.weight": state["wte.weight"]}  # safetensors keeps one copy of a tied weight
+    load_weights(model, state, path)
+    return model.eval(), train_cfg
+
+
+def load_weights(model, state, path):
+    """model.load_state_dict(state); weights that do not fit are a one-line ValueError naming path and the first
+    difference (load_state_dict lists every one, a line each)."""
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
-        raise ValueError(f"{path}: the weights do not match model_args ({e})") from e
-    return model.eval(), train_cfg
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]   # a header, then one per difference
+        raise ValueError(f"{path}: the weights do not match model_args ({lines[-1] if len(lines) == 1 else lines[1]}"
+                         f"{f'; {len(lines) - 2} more' if len(lines) > 2 else ''})") from None
 
 
 def export_safetensors(model, out_dir, config_json):
@@ -497,6 +508,26 @@ def peak_memory_gib(device):
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def resolve_device(device, backend="auto"):
+    """The device train.py / sample.py run on: 'auto' is cuda where available, else cpu; anything else is checked,
+    and backend='triton' needs CUDA (or the interpreter, TRITON_INTERPRET=1). A bad choice is a ValueError."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}, but this machine has {torch.cuda.device_count()} CUDA device(s): "
+                         f"use --device=cpu or --device=auto")
+    if backend == "triton" and dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend='triton' runs the Triton kernels, which need a CUDA device (or TRITON_INTERPRET=1 "
+                         "on the CPU): use --backend=auto")
+    return device
 
 
 def cpu_threads():

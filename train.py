@@ -4,6 +4,7 @@ Writes out_dir/ckpt.pt (read by sample.py and init_from='resume'), train_log.csv
 import functools
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -14,8 +15,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from model import GPT, GPTConfig, TrainLog, cpu_threads, export_safetensors, load_checkpoint, nsa_stats, peak_memory_gib
+from model import (GPT, GPTConfig, TrainLog, cpu_threads, export_safetensors, load_checkpoint, load_weights, nsa_stats,
+                   peak_memory_gib, resolve_device)
 from prepare_data import TokenShards, atomic_write
+
+# SIGTERM (timeout, job schedulers) unwinds like Ctrl-C, so a checkpoint being written leaves no temp file
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 # -----------------------------------------------------------------------------
 # default config values: byte-level Shakespeare, NSA, Track A's model (12.6M parameters; config/track_a_shakespeare.py
@@ -91,19 +96,24 @@ if min(batch_size, block_size, gradient_accumulation_steps, eval_every, eval_ite
        max_skipped_steps) < 1:
     raise ValueError("batch_size, block_size, gradient_accumulation_steps, eval_every, eval_iters, log_every, "
                      "save_every and max_skipped_steps must be >= 1")
+if min(learning_rate, min_lr, weight_decay, grad_clip, warmup_iters, lr_decay_iters) < 0 or \
+        not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+    raise ValueError("learning_rate, min_lr, weight_decay, grad_clip, warmup_iters and lr_decay_iters must be >= 0 "
+                     f"and beta1, beta2 in [0, 1), got {learning_rate}, {min_lr}, {weight_decay}, {grad_clip}, "
+                     f"{warmup_iters}, {lr_decay_iters}, {beta1}, {beta2}")
 if doc_batches and batch_size * block_size >= 2**31:
     raise ValueError(f"doc_batches needs batch_size * block_size < 2**31, got {batch_size * block_size}")
 # out_dir: an earlier run's checkpoint and log are replaced only when asked (made once the run is set up, below)
 ckpt_path, log_path, stop_path = (os.path.join(out_dir, f) for f in ("ckpt.pt", "train_log.csv", "STOP"))
-earlier = [path for path in (ckpt_path, log_path) if os.path.exists(path)]
+export_paths = [os.path.join(out_dir, f) for f in ("model.safetensors", "config.json")]
+earlier = [path for path in (ckpt_path, log_path, *export_paths) if os.path.exists(path)]
 if init_from != "resume" and earlier and not overwrite:
     raise ValueError(f"{earlier[0]} is from an earlier run: continue it with --init_from=resume, choose another "
                      f"--out_dir, or pass --overwrite=True to replace it")
 
 # -----------------------------------------------------------------------------
 # DDP / device: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE; NCCL on CUDA, gloo on CPU
-if device == "auto":
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+device = resolve_device(device, backend)
 if doc_batches and compile and attn == "nsa" and (backend == "torch" or not device.startswith("cuda")):
     raise ValueError("doc_batches=True with attn='nsa' on the PyTorch reference (CPU or backend='torch') needs "
                      "compile=False: the reference splits sequences on the host, which fullgraph cannot trace")
@@ -121,7 +131,6 @@ if gradient_accumulation_steps % world:
     raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
                      f"world size {world}")
 accum = gradient_accumulation_steps // world  # micro-batches per step on this rank
-tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = "cuda" if device.startswith("cuda") else "cpu"
 if compile_mode == "auto":  # NSA's many small kernels leave the GPU waiting for Python; dense's few large ones do not
     compile_mode = "reduce-overhead" if attn == "nsa" and device_type == "cuda" and not (ddp or doc_batches) else \
@@ -134,10 +143,6 @@ torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 ptdtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
 ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
-if master:
-    print(f"{world} rank(s) on {device}, {dtype}; tokens per step: {tokens_per_iter:,} "
-          f"({gradient_accumulation_steps} micro-batches x {batch_size} x {block_size})"
-          + (f"; torch.compile mode {compile_mode}" if compile else ""))
 
 # -----------------------------------------------------------------------------
 # data: one shared stream of batches (the same generator state on every rank); rank r takes every world-th batch,
@@ -201,12 +206,16 @@ for data in (train_data, val_data):  # both splits up front: val is first read a
     data.check_block_size(block_size)
 model = GPT(GPTConfig(**model_args))
 if ckpt is not None:
-    model.load_state_dict(ckpt["model"])
+    load_weights(model, ckpt["model"], start_path)
 model.to(device)
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # block_size: a resumed run's checkpoint's
 if activation_checkpointing:  # the block's own forward, recomputed in the backward; state_dict keys unchanged
     for block in model.blocks:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 if master:
+    print(f"{world} rank(s) on {device}, {dtype}; tokens per step: {tokens_per_iter:,} "
+          f"({gradient_accumulation_steps} micro-batches x {batch_size} x {block_size})"
+          + (f"; torch.compile mode {compile_mode}" if compile else ""))
     print(f"{model.num_params() / 1e6:.2f}M parameters, attn={model_args['attn']}, "
           f"{model.keys_per_query(block_size):.0f} keys read per query at T={block_size}")
 

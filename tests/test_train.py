@@ -159,6 +159,33 @@ def test_resume_is_bit_exact(full_run, data_dir, tmp_path):
     assert torch.equal(a["rng"]["data"], b["rng"]["data"])
 
 
+def test_resume_counts_tokens_at_the_checkpoints_block_size(full_run, data_dir, tmp_path):
+    # without a config file the default block_size is 1024, the checkpoint's 64: a step's tokens (and tokens/s, MFU)
+    out = tmp_path / "run"
+    shutil.copytree(full_run, out)
+    cmd = [sys.executable, "train.py", f"--data_dir={data_dir}", f"--out_dir={out}", "--init_from=resume",
+           "--compile=False", "--dtype=float32", "--max_iters=9",
+           *(a for a in COMMON if not a.startswith(("--block_size", "--max_it")))]
+    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tokens per step: 256 (2 micro-batches x 2 x 64)" in r.stdout, r.stdout
+
+
+def test_sigterm_while_saving_leaves_no_temp_file(data_dir, tmp_path):
+    # the signal arrives while ckpt.pt.tmp is written (as `timeout` or a scheduler would send it): the write unwinds
+    term = ("import os, runpy, signal, sys, torch\nsave = torch.save\n"
+            "def save_then_term(*args, **kwargs):\n    save(*args, **kwargs)\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "torch.save, sys.argv = save_then_term, sys.argv[1:]\nrunpy.run_path('train.py', run_name='__main__')\n")
+    cmd = [sys.executable, "-c", term, "train.py", "config/cpu_smoke.py", f"--data_dir={data_dir}",
+           f"--out_dir={tmp_path}", *COMMON]
+    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 128 + 15, (r.returncode, r.stderr[-2000:])
+    names = os.listdir(tmp_path)
+    assert "ckpt.pt" not in names and not [f for f in names if f.endswith(".tmp")], names
+
+
 def test_eval_only_resume_evaluates_the_checkpoint_and_writes_nothing(full_run, data_dir, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(full_run, out)
@@ -254,6 +281,11 @@ def train_here(monkeypatch):
 
 
 def test_an_earlier_run_is_replaced_only_when_asked(full_run, data_dir, tmp_path, train_here):
+    for name in ("model.safetensors", "config.json"):                          # an export alone is a run's too
+        shutil.copy(os.path.join(full_run, name), tmp_path)
+        with pytest.raises(ValueError, match=f"{tmp_path}/{name} is from an earlier run"):
+            train_here(data_dir, tmp_path)
+        os.remove(tmp_path / name)
     for name in ("ckpt.pt", "train_log.csv"):
         shutil.copy(os.path.join(full_run, name), tmp_path)
     before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
@@ -306,6 +338,12 @@ def test_resume_refuses_what_does_not_fit_the_checkpoint(full_run, data_dir, tmp
     with pytest.raises(ValueError, match=r"ckpt.pt was trained on byte tokens \(vocab 257\) but data_dir=.* holds "
                                          r"gpt2 tokens \(vocab 50257\): use data of its tokenizer, e.g. its --data_dir="):
         train_here(gpt2_like_data(tmp_path / "gpt2"), tmp_path, "--init_from=resume")
+    ckpt = load_ckpt(full_run)
+    ckpt["model_args"]["mlp_hidden"] = 128                                     # the weights' is 8/3 * 64 -> 192
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match=r"ckpt.pt: the weights do not match model_args \(size mismatch for "
+                                         r"blocks.0.mlp.w_in.weight: .*; 3 more\)$"):
+        train_here(data_dir, tmp_path, "--init_from=resume")
     for data in (b"", open(os.path.join(full_run, "ckpt.pt"), "rb").read()[:5000], os.urandom(5000)):
         (tmp_path / "ckpt.pt").write_bytes(data)                               # empty, truncated, random
         with pytest.raises(ValueError, match=f"^{tmp_path}/ckpt.pt is not a readable checkpoint"):
@@ -324,6 +362,25 @@ def test_found_before_the_first_step(data_dir, tmp_path, train_here):
         train_here(data_dir, tmp_path / "file" / "out")
     with pytest.raises(ValueError, match="unknown config key 'bach_size' .*did you mean 'batch_size'"):
         train_here(data_dir, tmp_path, "--bach_size=4")
+    with pytest.raises(ValueError, match="device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
+        train_here(data_dir, tmp_path / "new", "--device=gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda', but this machine has 0 CUDA device"):
+            train_here(data_dir, tmp_path / "new", "--device=cuda")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            with pytest.raises(ValueError, match="backend='triton' runs the Triton kernels, which need a CUDA device"):
+                train_here(data_dir, tmp_path / "new", "--backend=triton")
+    with pytest.raises(ValueError, match=r"learning_rate, .* must be >= 0 and beta1, beta2 in \[0, 1\), got -1.0"):
+        train_here(data_dir, tmp_path / "new", "--learning_rate=-1")
+    with pytest.raises(ValueError, match=r"mlp_hidden >= 0, got 2, 64, 64, -5"):
+        train_here(data_dir, tmp_path / "new", "--mlp_hidden=-5")
+    config = tmp_path / "config.py"
+    for text, want in (("batch_size = 2\nbatch_size = \n", "line 2: SyntaxError: invalid syntax"),
+                       ("batch_size = undefined_name\n", "line 1: NameError: name 'undefined_name' is not defined")):
+        config.write_text(text)
+        with pytest.raises(ValueError, match=f"^config file {config}, {want}$"):
+            train_here(data_dir, tmp_path / "new", str(config))
+    config.unlink()
     assert os.listdir(tmp_path) == ["file"]                                   # nothing written
 
 
