@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from model import cpu_threads, load_model
+from model import cpu_threads, load_model, resolve_device
 from prepare_data import atomic_write
 
 # -----------------------------------------------------------------------------
@@ -21,7 +21,7 @@ temperature = 0.8  # 1.0 = the model's distribution, < 1 sharper, 0 = greedy (ar
 top_k = 200  # keep only the k most likely tokens (0 = all)
 top_p = 1.0  # nucleus: keep the fewest most likely tokens whose mass reaches top_p (1.0 = all)
 seed = 1337
-device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu | cuda | cuda:1 ...
+device = "auto"  # auto (cuda where available, else cpu) | cpu | cuda | cuda:1 ...
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"  # or float16
 compile = torch.cuda.is_available()  # compile the one-token step (CUDA: mode="reduce-overhead", one CUDA graph a step)
 tokenizer = ""  # "" = from the checkpoint's data dir meta.json (or vocab_size 257 -> byte, 50257 -> gpt2); byte | gpt2
@@ -74,8 +74,14 @@ def read_prompt(start):
         path = start[5:]
         if not os.path.isfile(path):
             raise ValueError(f"start={start!r}: no such file {path!r}")
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"start={start!r}: {path} is not UTF-8 text ({e.reason} at byte {e.start}): save the "
+                             f"prompt as UTF-8") from None
+        except OSError as e:
+            raise ValueError(f"start={start!r}: cannot read {path} ({e.strerror})") from None
     return start
 
 
@@ -235,6 +241,8 @@ def plot_selection_png(path, record, config, layer, group, mark_block=-1):
 
 
 def main():
+    global device
+    device = resolve_device(device, backend)
     check_choice(dtype=("float32", "bfloat16", "float16"))
     if torch.device(device).type == "cpu":
         torch.set_num_threads(cpu_threads())
@@ -247,6 +255,7 @@ def main():
     torch.manual_seed(seed)
     model, train_cfg = load_model(out_dir, backend)
     cfg = model.config
+    resolve_device(device, cfg.backend)                                        # the checkpoint's backend, if not set
     if plot_selection:
         if cfg.attn != "nsa":
             raise ValueError(f"--plot_selection needs an NSA model, this checkpoint has attn={cfg.attn!r}")
@@ -456,6 +465,7 @@ def needle_main():
     torch.manual_seed(seed)
     model, train_cfg = load_model(out_dir, backend)
     cfg = model.config
+    resolve_device(device, cfg.backend)
     data_dir = needle_data or train_cfg.get("data_dir", "")
     meta = load_meta(data_dir) if data_dir else {}
     if meta.get("dataset") != "needle":

@@ -183,6 +183,62 @@ def test_cli_subprocess(ckpt_dir, tmp_path):
     assert len(r.stderr.splitlines()) == 1, r.stderr
 
 
+def cli_error(*args):
+    """Run `python sample.py ARGS` (Triton not interpreted) and return its stderr: one `error: ` line, exit status 1."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, SAMPLE, *args], cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.splitlines()) == 1, r.stderr
+    return r.stderr
+
+
+def test_bad_device_or_backend_is_one_line(monkeypatch, capsys, ckpt_dir):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = [f"--out_dir={ckpt_dir}", "--dtype=float32", "--compile=False", "--num_samples=1", "--max_new_tokens=3"]
+    for bad in ("--device=gpu", "--device=mps", "--device=cuda:7"):
+        for more in ([], ["--needle=True"]):
+            with pytest.raises(ValueError, match="^device"):
+                run_sample(monkeypatch, capsys, *args, bad, *more)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="^device='cuda', but this machine has 0 CUDA device"):
+            run_sample(monkeypatch, capsys, *args, "--device=cuda")
+        with pytest.raises(ValueError, match="^backend='triton' runs the Triton kernels, which need a CUDA device"):
+            run_sample(monkeypatch, capsys, *args, "--backend=triton")
+    out = run_sample(monkeypatch, capsys, *args)                              # device="auto"
+    assert f"1 x 3 tokens on {'cuda' if torch.cuda.is_available() else 'cpu'} " in out
+    assert cli_error(*args, "--device=gpu").startswith("error: device must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+
+def test_triton_checkpoint_on_the_cpu_is_one_line(monkeypatch, capsys, ckpt_dir, tmp_path):
+    # a checkpoint trained with backend='triton', sampled on the CPU without --backend: its backend is checked too
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    ckpt = torch.load(ckpt_dir / "ckpt.pt", weights_only=True)
+    torch.save(dict(ckpt, model_args=dict(ckpt["model_args"], backend="triton")), tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="^backend='triton' .* use --backend=auto"):
+        run_sample(monkeypatch, capsys, f"--out_dir={tmp_path}", *BASE)
+    run_sample(monkeypatch, capsys, f"--out_dir={tmp_path}", "--backend=auto", *BASE)
+
+
+def test_prompt_file_not_utf8_is_one_line(monkeypatch, capsys, ckpt_dir, tmp_path):
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe")
+    start = f"--start=FILE:{tmp_path / 'bin.txt'}"
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'bin.txt'} is not UTF-8 text (invalid start byte at "
+                                                   f"byte 0): save the prompt as UTF-8")):
+        run_sample(monkeypatch, capsys, f"--out_dir={ckpt_dir}", start, *BASE)
+    assert "is not UTF-8 text" in cli_error(f"--out_dir={ckpt_dir}", start, "--device=cpu")
+
+
+def test_safetensors_of_another_shape_is_one_line(ckpt_dir, tmp_path):
+    # model.safetensors beside a config.json whose n_embd differs: one line naming the file and the first mismatch
+    from model import export_safetensors, load_model
+    model, _ = load_model(str(ckpt_dir))
+    args = torch.load(ckpt_dir / "ckpt.pt", weights_only=True)["model_args"]
+    export_safetensors(model, str(tmp_path), dict(args, n_embd=2 * args["n_embd"], tokenizer="byte"))
+    err = cli_error(f"--out_dir={tmp_path}", "--device=cpu", "--compile=False")
+    assert err.startswith(f"error: {tmp_path / 'model.safetensors'}: the weights do not match model_args (size "
+                          f"mismatch for "), err
+
+
 @pytest.mark.slow
 def test_end_to_end_on_a_cpu_smoke_checkpoint(monkeypatch, capsys, tmp_path):
     # train.py config/cpu_smoke.py for a few steps on a tiny corpus, then sample from its ckpt.pt and from its
