@@ -220,6 +220,12 @@ def get_tokenizer(name, cache_dir="~/.cache/nanonsa", timeout=30.0):
 # shards: a 64-byte header (HEADER_FMT) then uint16 tokens; every document is [EOT, *tokens]
 
 
+def stop_on_sigterm():
+    """For a script's main: SIGTERM (timeout, job schedulers) unwinds like Ctrl-C, so atomic_write removes the temp
+    file of a write in progress."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def atomic_write(path, write):
     """Calls write(f) on path + ".tmp" (a binary file), then renames it to path: readers never see a partial file, and
     a failure leaves path as it was and no temp file. An OSError (full disk, no permission) is a ValueError naming
@@ -989,8 +995,7 @@ def prepare_needle(out_dir="", input="", val_frac=0.1, split_seed=1337, cache_di
 
 
 if __name__ == "__main__":
-    # SIGTERM (timeout, job schedulers) unwinds like Ctrl-C: the temp files of a write in progress are removed
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    stop_on_sigterm()
     exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())
     if dataset == "needle":
         if tokenizer != "byte":

@@ -9,7 +9,7 @@ import time
 import torch
 
 from model import cpu_threads, load_model, resolve_device
-from prepare_data import atomic_write
+from prepare_data import atomic_write, stop_on_sigterm
 
 # -----------------------------------------------------------------------------
 out_dir = "out"  # where train.py wrote ckpt.pt (or model.safetensors + config.json)
@@ -241,6 +241,7 @@ def plot_selection_png(path, record, config, layer, group, mark_block=-1):
 
 
 def main():
+    stop_on_sigterm()
     global device
     device = resolve_device(device, backend)
     check_choice(dtype=("float32", "bfloat16", "float16"))

@@ -4,7 +4,6 @@ Writes out_dir/ckpt.pt (read by sample.py and init_from='resume'), train_log.csv
 import functools
 import math
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -17,10 +16,9 @@ from torch.utils.checkpoint import checkpoint
 
 from model import (GPT, GPTConfig, TrainLog, cpu_threads, export_safetensors, load_checkpoint, load_weights, nsa_stats,
                    peak_memory_gib, resolve_device)
-from prepare_data import TokenShards, atomic_write
+from prepare_data import TokenShards, atomic_write, stop_on_sigterm
 
-# SIGTERM (timeout, job schedulers) unwinds like Ctrl-C, so a checkpoint being written leaves no temp file
-signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+stop_on_sigterm()  # a checkpoint being written when SIGTERM comes leaves no temp file
 
 # -----------------------------------------------------------------------------
 # default config values: byte-level Shakespeare, NSA, Track A's model (12.6M parameters; config/track_a_shakespeare.py
