@@ -579,19 +579,17 @@ def layer_floors(T, hq, tflops, gbps):
     2.5x the forward) at the measured matmul rate; block scores: QK alone (select_blocks has no backward); mix: its
     bytes (3 gated branch outputs in, o out; its backward hands do to each branch as it is) at the measured copy
     bandwidth."""
-    def keys(l=T + 1, d=1, n=0, w=0):  # mean keys per query of one branch, the other two switched off
-        return nsa_attention.tokens_read_per_query(T, l, d, sel_block, n, w)
-
     def attention(nk):
         fwd = 2 * B * T * hq * nk * (D + Dv) / tflops / 1e9
         return {"fwd": fwd, "fwd+bwd": 3.5 * fwd}
 
     per_value = B * T * hq * dt.itemsize / gbps / 1e6                          # ms to move one value per (t, head)
+    cmp, slc, win = nsa_attention.tokens_read_per_query(T, cmp_block, cmp_stride, sel_block, n_select, window)
     floors = {"dense cudnn": attention((T + 1) / 2),
-              "compressed": attention(keys(cmp_block, cmp_stride)),
-              "select_blocks": {"fwd": 2 * B * T * hq * keys(cmp_block, cmp_stride) * D / tflops / 1e9},
-              "selection": attention(keys(n=n_select)),
-              "window": attention(keys(w=window)),
+              "compressed": attention(cmp),
+              "select_blocks": {"fwd": 2 * B * T * hq * cmp * D / tflops / 1e9},
+              "selection": attention(slc),
+              "window": attention(win),
               "mix": {"fwd": 4 * Dv * per_value, "fwd+bwd": 4 * Dv * per_value}}
     parts = [floors[name] for name in ("compressed", "select_blocks", "selection", "window", "mix")]
     floors["NSA layer core"] = {p: sum(f.get(p, f["fwd"]) for f in parts) for p in ("fwd", "fwd+bwd")}

@@ -230,7 +230,7 @@ class GPT(nn.Module):
             return sum(n * self.keys_per_query(n) for n in lens) / sum(lens)
         if c.attn == "dense":
             return (T + 1) / 2
-        return tokens_read_per_query(T, c.cmp_block, c.cmp_stride, c.sel_block, c.n_select, c.window)
+        return sum(tokens_read_per_query(T, c.cmp_block, c.cmp_stride, c.sel_block, c.n_select, c.window))
 
     def flops_per_token(self, T):
         """Training FLOPs per token: 6 per weight plus attention's 2 matmuls (q.k and p.v) x 3 for fwd+bwd."""

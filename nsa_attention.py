@@ -787,10 +787,11 @@ def decode_reads(S, cmp_block, cmp_stride, sel_block, n_select, window):
 
 
 def tokens_read_per_query(T, cmp_block, cmp_stride, sel_block, n_select, window):
-    """Mean keys a query reads over positions 0..T-1 (compressed + selected + window), per KV group: the query at t
+    """Mean keys a query reads over positions 0..T-1 per KV group, (compressed, selected, window): the query at t
     reads what a decode step at S = t + 1 reads (decode_reads)."""
-    reads = (sum(decode_reads(S, cmp_block, cmp_stride, sel_block, n_select, window)) for S in range(1, T + 1))
-    return sum(reads) / T if T > 0 else 0.0
+    totals = [sum(branch) for branch in zip(*(decode_reads(S, cmp_block, cmp_stride, sel_block, n_select, window)
+                                              for S in range(1, T + 1)))]
+    return tuple(total / T for total in totals) if T > 0 else (0.0, 0.0, 0.0)
 
 
 KERNELS, KERNEL_IMPORT_ERROR = _load_kernels()  # at the end: the kernel files may import from this one
