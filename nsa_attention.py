@@ -57,6 +57,8 @@ Decode reads
     defaults 4095 + 1024 + 512 = 5631 at S = 65536 against 65536 for dense attention (the paper's Table 4 lists
     5632 = S / d + n*l' + w).
 """
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -786,6 +788,7 @@ def decode_reads(S, cmp_block, cmp_stride, sel_block, n_select, window):
     return num_cmp_blocks(S, cmp_block, cmp_stride), slc, min(window, S)
 
 
+@functools.cache  # train.py's log asks at every line
 def tokens_read_per_query(T, cmp_block, cmp_stride, sel_block, n_select, window):
     """Mean keys a query reads over positions 0..T-1 per KV group, (compressed, selected, window): the query at t
     reads what a decode step at S = t + 1 reads (decode_reads)."""
