@@ -82,6 +82,8 @@ for _arg in sys.argv[1:]:
                              + f": {type(_e).__name__}: {_what}") from None
         _set = [_k for _k, _v in _scope.items()
                 if not _k.startswith("_") and not isinstance(_v, types.ModuleType) and _v is not globals().get(_k)]
+        if not _set:
+            raise ValueError(f"config file {_arg} sets no config key: it is run as Python, `key = value` lines")
         for _k in _set:
             _cfg_set(_k, _scope[_k], _arg)
         print(f"Overriding config with {_arg} ({len(_set)} keys)")

@@ -375,10 +375,11 @@ def test_found_before_the_first_step(data_dir, tmp_path, train_here):
     with pytest.raises(ValueError, match=r"mlp_hidden >= 0, got 2, 64, 64, -5"):
         train_here(data_dir, tmp_path / "new", "--mlp_hidden=-5")
     config = tmp_path / "config.py"
-    for text, want in (("batch_size = 2\nbatch_size = \n", "line 2: SyntaxError: invalid syntax"),
-                       ("batch_size = undefined_name\n", "line 1: NameError: name 'undefined_name' is not defined")):
+    for text, want in (("batch_size = 2\nbatch_size = \n", ", line 2: SyntaxError: invalid syntax"),
+                       ("batch_size = undefined_name\n", ", line 1: NameError: name 'undefined_name' is not defined"),
+                       ('{"batch_size": 2}\n', " sets no config key: it is run as Python, `key = value` lines")):
         config.write_text(text)
-        with pytest.raises(ValueError, match=f"^config file {config}, {want}$"):
+        with pytest.raises(ValueError, match=f"^config file {config}{want}$"):
             train_here(data_dir, tmp_path / "new", str(config))
     config.unlink()
     assert os.listdir(tmp_path) == ["file"]                                   # nothing written
