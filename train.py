@@ -29,7 +29,7 @@ data_dir = "data/shakespeare_byte"  # written by prepare_data.py: train_*.bin, v
 init_from = "scratch"  # 'scratch' | 'resume' (continues out_dir/ckpt.pt bit for bit, in its architecture) | the path
 # of another run's ckpt.pt: a new run from its weights and architecture, with this run's block_size, data and schedule
 # (the next stage of a length curriculum: config/needle_nsa.py)
-overwrite = False  # let a new run (init_from other than 'resume') replace an earlier run's ckpt.pt and train_log.csv
+overwrite = False  # let a new run (init_from other than 'resume') replace an earlier run's checkpoint, log and export
 eval_every = 250  # steps between evaluations of train/val loss
 eval_iters = 20  # batches per evaluation (the same batches every time, split over the ranks)
 log_every = 10  # steps between log lines / train_log.csv rows
