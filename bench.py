@@ -60,6 +60,19 @@ seed = 1337
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())  # overrides
 check_choice(mode=("selection", "layer", "decode"), dtype=("float16", "bfloat16"),
              indices=("select", "random", "trained"))
+for _name in ("seqlens", "layer_seqlens", "layer_hq", "decode_seqlens", "decode_batches"):
+    _v = globals()[_name]
+    if not (_v and all(isinstance(x, int) and x > 0 for x in _v)):
+        raise ValueError(f"{_name} must be a non-empty tuple of positive ints, e.g. --{_name}=\"(8192,)\", got {_v!r}")
+if min(batch_size, n_head, n_kv_head, head_dim, v_head_dim) < 1 or n_head % n_kv_head or head_dim % 2 or \
+        min(rep_ms, warmup_ms) <= 0:
+    raise ValueError(f"need batch_size, n_kv_head >= 1, n_head a multiple of n_kv_head, an "
+                     f"even head_dim, v_head_dim >= 1, rep_ms and warmup_ms > 0; got {batch_size}, {n_head}, "
+                     f"{n_kv_head}, {head_dim}, {v_head_dim}, {rep_ms}, {warmup_ms}")
+if any(hq % n_kv_head for hq in layer_hq):
+    raise ValueError(f"every layer_hq must be a multiple of n_kv_head={n_kv_head}, got {layer_hq}")
+if csv and (os.path.isdir(csv) or not os.path.isdir(os.path.dirname(os.path.abspath(csv)))):
+    raise ValueError(f"csv={csv!r} is a directory or in none: name a file in an existing directory")  # before the run
 # -----------------------------------------------------------------------------
 
 import torch.nn.functional as F  # noqa: E402
@@ -73,6 +86,8 @@ B, HQ, H, D, Dv = batch_size, n_head, n_kv_head, head_dim, v_head_dim
 cuda = torch.cuda.is_available()
 device = "cuda" if cuda else "cpu"
 if not cuda:  # CPU smoke test: tiny shapes for the slow interpreter, fp16 as bf16 dots are wrong there
+    print("no CUDA: a smoke test at tiny fixed shapes in the Triton interpreter (the shape, sweep and profile "
+          "settings apply on a GPU)")
     dtype, seqlens = "float16", tuple(t for t in seqlens if t <= 256) or (64,)
     layer_seqlens, layer_hq, decode_seqlens, decode_batches = (128,), (4,), (256,), (2,)
     HQ, H, D, Dv, n_select, sel_block, cmp_block, cmp_stride = 4, 2, 32, 32, 4, 16, 16, 8

@@ -117,6 +117,15 @@ def test_trained_user_errors(tmp_path, bench, trained):
 def test_choices_checked_before_the_cpu_smoke_shapes(tmp_path):
     res = run_bench(tmp_path, "--dtype=fp8", ok=False)  # on CPU the smoke test runs float16 whatever --dtype says
     assert res.returncode == 1 and res.stderr == "error: dtype must be 'float16' or 'bfloat16', got 'fp8'\n"
+    for args, want in ((["--seqlens=()"], "seqlens must be a non-empty tuple of positive ints"),
+                       (["--layer_seqlens=(64.5,)"], "layer_seqlens must be a non-empty tuple of positive ints"),
+                       (["--batch_size=0"], "need batch_size, n_kv_head >= 1"),
+                       (["--n_head=6", "--n_kv_head=4"], "n_head a multiple of n_kv_head"),
+                       (["--layer_hq=(6,)"], "every layer_hq must be a multiple of n_kv_head=4"),
+                       ([f"--csv={tmp_path}/no/such.csv"], "is a directory or in none")):
+        res = run_bench(tmp_path, *args, ok=False)
+        assert res.returncode == 1 and res.stderr.startswith("error: ") and want in res.stderr, res.stderr
+        assert res.stderr.count("\n") == 1, res.stderr                        # one line
 
 
 def test_locality(bench):
