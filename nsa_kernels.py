@@ -460,6 +460,21 @@ def _range_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, qlo, qhi, scale_log2,
     store_rows(dv, p_off, m_k, b_dv, DV, BDV)
 
 
+@triton.jit
+def _range_sum_chunks_kernel(dk_part, dv_part, dk, dv, NQC, NK_D, NK_DV, BE: tl.constexpr):
+    """dk, dv = the dk/dv kernel's NQC fp32 chunk partials summed in chunk order, cast to dk's / dv's dtype; one
+    program = BE elements of each (one launch for both, instead of a sum and a cast per tensor)."""
+    e = tl.program_id(0).to(tl.int64) * BE + tl.arange(0, BE)
+    m_k, m_v = e < NK_D, e < NK_DV
+    b_dk = tl.zeros([BE], tl.float32)
+    b_dv = tl.zeros([BE], tl.float32)
+    for i_q in range(NQC):
+        b_dk += tl.load(dk_part + i_q * NK_D + e, mask=m_k, other=0.)
+        b_dv += tl.load(dv_part + i_q * NK_DV + e, mask=m_v, other=0.)
+    tl.store(dk + e, b_dk.to(dk.dtype.element_ty), mask=m_k)
+    tl.store(dv + e, b_dv.to(dv.dtype.element_ty), mask=m_v)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # block selection: Eq. 8 (p_cmp from the lse), Eq. 10 (sum over the group), Eq. 9 (overlap weights), top-n
 
@@ -890,7 +905,9 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale):
         _range_bwd_dkv_kernel[(key_tiles, nqc, c["H"])](
             q, k, v, do, lse2, delta, dk_p, dv_p, qlo, qhi, sl2, scale, NK, qch, **geo, **c, **launch)
         if nqc > 1:
-            dk, dv = dk_p.sum(0).to(k.dtype), dv_p.sum(0).to(v.dtype)
+            BE = 1024
+            _range_sum_chunks_kernel[(triton.cdiv(max(dk.numel(), dv.numel()), BE),)](
+                dk_p, dv_p, dk, dv, nqc, dk.numel(), dv.numel(), BE=BE)
     elif NK > 0:
         dk.zero_()
         dv.zero_()
