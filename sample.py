@@ -240,6 +240,14 @@ def plot_selection_png(path, record, config, layer, group, mark_block=-1):
     plt.close(fig)
 
 
+def load_checked():
+    """load_model(out_dir, backend), then device checked against the backend the model runs on (the checkpoint's,
+    when backend is not set)."""
+    model, train_cfg = load_model(out_dir, backend)
+    resolve_device(device, model.config.backend)
+    return model, train_cfg
+
+
 def main():
     stop_on_sigterm()
     global device
@@ -254,9 +262,8 @@ def main():
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1, got {temperature}, {top_k}, {top_p}")
     torch.manual_seed(seed)
-    model, train_cfg = load_model(out_dir, backend)
+    model, train_cfg = load_checked()
     cfg = model.config
-    resolve_device(device, cfg.backend)                                        # the checkpoint's backend, if not set
     if plot_selection:
         if cfg.attn != "nsa":
             raise ValueError(f"--plot_selection needs an NSA model, this checkpoint has attn={cfg.attn!r}")
@@ -464,9 +471,8 @@ def needle_main():
                          f"needle_count in [1, 24], got {needle_trials}, {needle_steps}, {needle_batch_tokens}, "
                          f"{needle_count}")
     torch.manual_seed(seed)
-    model, train_cfg = load_model(out_dir, backend)
+    model, train_cfg = load_checked()
     cfg = model.config
-    resolve_device(device, cfg.backend)
     data_dir = needle_data or train_cfg.get("data_dir", "")
     meta = load_meta(data_dir) if data_dir else {}
     if meta.get("dataset") != "needle":
