@@ -82,7 +82,7 @@ device = "auto"  # 'auto' (cuda if available) | 'cpu' | 'cuda' | 'cuda:1'
 dtype = "bfloat16"  # autocast dtype: 'bfloat16' | 'float16' (with GradScaler) | 'float32' (no autocast)
 compile = True  # torch.compile(model, dynamic=False, fullgraph=True) for training and eval
 compile_mode = "auto"  # torch.compile mode: 'default', 'reduce-overhead' (replays CUDA graphs) or 'auto': CUDA graphs
-#                        for NSA on one CUDA process without doc_batches (where they were measured to pay), else default
+#                        for NSA on CUDA without doc_batches (where they were measured to pay), else default
 activation_checkpointing = False  # recompute each block in the backward: less memory, ~1/3 more compute
 # -----------------------------------------------------------------------------
 _config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))]
@@ -131,8 +131,7 @@ if gradient_accumulation_steps % world:
 accum = gradient_accumulation_steps // world  # micro-batches per step on this rank
 device_type = "cuda" if device.startswith("cuda") else "cpu"
 if compile_mode == "auto":  # NSA's many small kernels leave the GPU waiting for Python; dense's few large ones do not
-    compile_mode = "reduce-overhead" if attn == "nsa" and device_type == "cuda" and not (ddp or doc_batches) else \
-        "default"
+    compile_mode = "reduce-overhead" if attn == "nsa" and device_type == "cuda" and not doc_batches else "default"
 graphs = compile and compile_mode == "reduce-overhead"  # CUDA graphs on CUDA (cudagraph trees)
 if device_type == "cpu":
     torch.set_num_threads(cpu_threads())
@@ -233,10 +232,16 @@ raw_model = model
 if compile:
     model = torch.compile(model, dynamic=False, fullgraph=True, mode=compile_mode)
 params = list(raw_model.parameters())
-if graphs:  # a replay overwrites the last one's outputs, gradients included: micro-batches add into buffers of our own
+if graphs:  # a replay overwrites the last one's outputs, gradients included: micro-batches add into buffers of our own,
+    # views of one flat buffer, which a DDP run all-reduces itself after the last micro-batch (DDP's wrapper cannot
+    # hook into a graph's backward)
+    flat_grad = torch.zeros(sum(p.numel() for p in params), device=device)
+    for p, g in zip(params, flat_grad.split([p.numel() for p in params])):
+        p.grad = g.view_as(p)
+if ddp and graphs:  # every rank starts from rank 0's weights, as DDP's wrapper makes them
     for p in params:
-        p.grad = torch.zeros_like(p)
-if ddp:
+        dist.broadcast(p.detach(), 0)
+elif ddp:
     model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None)
 
 
@@ -339,11 +344,12 @@ while True:
     if last:
         break
 
-    # forward, backward, update: loss scaled by 1/accum, gradients all-reduced on the last micro-step only
+    # forward, backward, update: loss scaled by 1/accum; with DDP the ranks' gradients are averaged once a step, by
+    # DDP's wrapper during the last micro-step's backward, or under CUDA graphs after it
     X_first, CU_first = X, CU
     loss_sum = torch.zeros((), device=device)
     for micro_step in range(accum):
-        if ddp:
+        if isinstance(model, DDP):
             model.require_backward_grad_sync = micro_step == accum - 1
         with ctx:
             _, loss = forward(X, Y, CU)
@@ -356,6 +362,8 @@ while True:
             torch._foreach_add_([p.grad for p in params], torch.autograd.grad(scaler.scale(loss), params))
         else:
             scaler.scale(loss).backward()
+    if ddp and graphs:
+        dist.all_reduce(flat_grad, op=dist.ReduceOp.AVG)
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     # one small all-reduce per step: the global mean loss, and rank 0's STOP / time-limit decision

@@ -413,3 +413,19 @@ def test_gpu_compiled_bf16_resume_matches(data_dir, tmp_path):
     print(f"losses resumed {a}\nlosses full    {b}")
     assert sorted(a) == sorted(b) == list(range(8))
     assert max(abs(a[k] - b[k]) for k in b) < 5e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_gpu_ddp_under_cuda_graphs_matches_one_process(data_dir, tmp_path):
+    # 2 NCCL ranks x 1 micro-batch under CUDA graphs, which auto now picks for NSA with DDP too (no DDP wrapper: the
+    # step all-reduces its own gradient buffer), log the losses of 1 process x the same 2 micro-batches
+    gpu = ["--device=cuda", "--compile=True", "--dtype=float32", "--dropout=0.0"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    train(data_dir, one, *gpu)
+    text = train(data_dir, two, *gpu, nproc=2)
+    assert "2 rank(s) on cuda:0" in text and "torch.compile mode reduce-overhead" in text, text
+    a, b = losses(two), losses(one)
+    print(f"losses 2 ranks {a}\nlosses 1 rank  {b}")
+    assert sorted(a) == sorted(b) == list(range(8))
+    assert max(abs(a[k] - b[k]) for k in b) < 1e-3
