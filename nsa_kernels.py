@@ -36,7 +36,7 @@ import triton.language as tl
 # D = 64; launch_entry); in the forward's and dq's, maxnreg (Triton's cap on registers per thread) fits four blocks per
 # multiprocessor instead of three without spilling (it spills at D = 128).
 # keys_major ("select") holds the scores as [compressed keys, query rows]: faster at G = 1..4 (sized there by tokens
-# per program), slower at G = 16.
+# per program), slower at G = 16; there 512 rows (G = 16: 32 tokens) share each compressed key tile, in 16 warps.
 CONFIG = {
     "fwd": dict(M=128, BN=64, num_warps=4, num_stages=2),
     "fwd_small_g": dict(M=64, BN=64, num_warps=4, num_stages=2),
@@ -46,8 +46,8 @@ CONFIG = {
     "dq_small_d": dict(M=64, BN=64, num_warps=4, num_stages=2, maxnreg=128),
     "dkv": dict(M=128, BN=64, num_warps=8, num_stages=2),
     "dkv_small_d": dict(M=64, BN=64, num_warps=4, num_stages=3),
-    "select": dict(M=256, keys_major=False, num_warps=8, num_stages=2),
-    "select_small_g": dict(tokens=32, keys_major=True, num_warps=4, num_stages=2),  # tokens per program, >= 64 rows
+    "select": dict(M=512, keys_major=False, num_warps=16, num_stages=3),
+    "select_small_g": dict(tokens=32, keys_major=True, num_warps=4, num_stages=3),  # tokens per program, >= 64 rows
 }
 SMALL_G = 8
 SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entries, here and in sel_kernel.py
@@ -848,7 +848,8 @@ def launch_entry(name, G, width, table=None):
 
 def _launch_cfg(name, q, k, v):
     """(M, launch kwargs) for a kernel on q (..., HQ, D), k (..., H, D), v (..., H, Dv): the CONFIG entry of its
-    G = HQ / H and head width; heads wider than 128 halve the tiles so they fit in shared memory."""
+    G = HQ / H and head width; heads wider than 128 halve the tiles and take at most 2 stages, so that they fit in
+    shared memory."""
     width = max(q.shape[-1], v.shape[-1])
     c = dict(CONFIG[launch_entry(name, q.shape[-2] // k.shape[-2], width)])
     M = c.pop("M", 0)
@@ -856,6 +857,7 @@ def _launch_cfg(name, q, k, v):
         M = max(16, M // 2)
         if "BN" in c:
             c["BN"] = max(16, c["BN"] // 2)
+        c["num_stages"] = min(c["num_stages"], 2)
     return M, c
 
 
