@@ -12,9 +12,9 @@ eval_iters = 8
 log_every = 5
 diag_every = 50
 save_every = 100
-# data: 2 ranks x 1 micro-batch x 8 x 8192 = 131,072 tokens per step (one GPU: 2 micro-batches of 8; micro-batches of
-# 8 ran faster than 4 for both attentions, at twice the memory: RESULTS.md, "Track B"; a smaller GPU can take
-# --batch_size=4 --gradient_accumulation_steps=4, the same tokens per step)
+# data: 2 ranks x 1 micro-batch x 8 x 8192 = 131,072 tokens per step (one GPU: 2 micro-batches of 8). Micro-batches
+# of 8 ran faster than 4 for both attentions, at twice the memory (RESULTS.md, "Track B: micro-batches of 8"); a
+# smaller GPU can take --batch_size=4 --gradient_accumulation_steps=4, the same tokens per step.
 batch_size = 8
 block_size = 8192
 gradient_accumulation_steps = 2

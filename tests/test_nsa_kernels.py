@@ -424,7 +424,7 @@ def test_varlen_gpu():
 def test_select_blocks_gpu(G, D):
     """bf16 inputs, reference on the same values in fp32 (bf16 products are exact in both): the index sets differ
     only where two scores tie to rounding, on <= 0.1% of rows; with and without var-length. D = 256 halves the
-    tiles (shared memory), G = 32 fills the most rows a tile holds."""
+    tiles (shared memory), G = 32 is the widest head group a tile sums."""
     cu = torch.tensor([0, 1000, 1000, 5000], dtype=torch.int32, device="cuda")
     for c in (None, cu):
         idx, ref = run_sel(1, 5000, 2 * G, 2, D, 32, 16, 64, 16, 1, 2, seed=G, cu=c, device="cuda",
