@@ -57,12 +57,10 @@ KEY_MAX_G = 8  # "auto" takes the key-centric path for G = HQ / H up to this, at
 # forward: o = softmax(scale * q k^T) v over the selected blocks, base-2 softmax, fp32 accumulate
 
 @triton.jit
-def _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT, H: tl.constexpr, BT: tl.constexpr,
-               BS: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
-    """Slot f = (token p, slot s) of a tile of BT tokens: its block id j, the sequence start, the rows that use the
-    block and the last key position any of them may read. Ids are pre-cleaned (valid, no repeats, else -1).
-    UNION: every row whose token also lists j uses it, so a block listed by several tokens of the tile is loaded
-    once (the union of their lists; a later listing gives no rows). Else only token p's rows (no reductions)."""
+def _slot_rows(idx, pos, p_r, m_r, f, i_t, i_h, NT, H: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+               NS: tl.constexpr):
+    """Slot f = (token p, slot s) of a tile of BT tokens: its block id j, the sequence start, token p's rows (which
+    use the block) and the last key position they may read. Ids are pre-cleaned (valid, no repeats, else -1)."""
     p = f // NS
     s = f % NS
     t_p = i_t * BT + p
@@ -70,17 +68,18 @@ def _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT, H: tl.c
     rel_p = tl.load(pos + t_p, mask=m_p, other=0)                           # position inside its sequence
     j = tl.load(idx + (t_p.to(tl.int64) * H + i_h) * NS + s, mask=m_p, other=-1)
     ok = m_p & (j >= 0) & (j <= rel_p // BS)                                # padding / future ids: no rows
-    if UNION:
-        o_s = tl.arange(0, BNS)
-        hit = (b_idx == j) & ((bos_r == t_p - rel_p) & (j <= rel_r // BS))[:, None]       # [M, BNS]
-        before = (p_r < p)[:, None] | ((p_r == p)[:, None] & (o_s < s)[None, :])
-        ok = ok & (tl.sum((hit & before).to(tl.int32)) == 0)
-        m_row = m_r & ok & (tl.sum(hit.to(tl.int32), 1) > 0)               # [M]
-        rel_max = tl.max(tl.where(m_row, rel_r, -1))
-    else:
-        m_row = m_r & ok & (p_r == p)
-        rel_max = tl.where(ok, rel_p, -1)
-    return j, t_p - rel_p, m_row, rel_max
+    return j, t_p - rel_p, m_r & ok & (p_r == p), tl.where(ok, rel_p, -1)
+
+
+@triton.jit
+def _union_rows(lst, b_start, m_r, t_r, f, i_t, i_h, H: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr):
+    """Entry f of the tile's union list (union_lists): the packed start token u0 of a block, the rows whose token
+    selected it (b_start [M, BNS]: each row's selected blocks as packed starts, -1 for none), their positions
+    relative to u0 and the largest of them."""
+    u0 = tl.load(lst + (i_t * H + i_h).to(tl.int64) * (BT * NS) + f)
+    m_row = m_r & (tl.max((b_start == u0).to(tl.int32), 1) > 0)            # [M]
+    rel_u = t_r - u0                                                        # [M] key positions from u0 each may read
+    return u0, m_row, rel_u, tl.max(tl.where(m_row, rel_u, -1))
 
 
 @triton.jit
@@ -127,24 +126,30 @@ def _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_lo
 
 
 @triton.jit
-def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, scale_log2, NT,
+def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, lst, cnt, scale_log2, NT,
                     H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                     BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr,
                     GATED: tl.constexpr):
     """o (times the gate) and the base-2 lse of tile i_t of BT tokens x the G heads of kv head i_h, over the tokens'
-    selected blocks."""
+    selected blocks: slot by slot, or (UNION) each block of the tile's union list once for all its rows."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     BT: tl.constexpr = M // G
     p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, M, D, BD, NS, BNS)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BDV], tl.float32)
-    for f in range(BT * NS):                              # slot f = (token f // n, slot f % n) of the tile
-        j, bos, m_row, rel_max = _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT,
-                                            H, BT, BS, NS, BNS, UNION)
-        m_i, l_i, acc = _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
-                                   H, D, DV, BD, BDV, BS, BK)
+    if UNION:
+        b_start = tl.where(b_idx >= 0, bos_r[:, None] + b_idx * BS, -1)                   # [M, BNS]
+        for f in range(tl.load(cnt + i_t * H + i_h)):
+            u0, m_row, rel_u, rel_max = _union_rows(lst, b_start, m_r, bos_r + rel_r, f, i_t, i_h, H, BT, NS)
+            m_i, l_i, acc = _fwd_inner(b_q, k, v, m_i, l_i, acc, 0, u0, m_row, rel_u, rel_max, scale_log2, i_h,
+                                       H, D, DV, BD, BDV, BS, BK)
+    else:
+        for f in range(BT * NS):                          # slot f = (token f // n, slot f % n) of the tile
+            j, bos, m_row, rel_max = _slot_rows(idx, pos, p_r, m_r, f, i_t, i_h, NT, H, BT, BS, NS)
+            m_i, l_i, acc = _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
+                                       H, D, DV, BD, BDV, BS, BK)
     b_o, b_lse = softmax_finish(m_i, l_i, acc)            # lse: base 2, of the scaled scores
     store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate, t_off + hq_r, m_r, GATED), DV, BDV)
     tl.store(lse + t_off + hq_r, b_lse, mask=m_r)
@@ -182,7 +187,7 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_m
 
 
 @triton.jit
-def _sel_bwd_dq_kernel(q, k, v, do, lse, delta, dq, idx, pos, scale_log2, scale, NT,
+def _sel_bwd_dq_kernel(q, k, v, do, lse, delta, dq, idx, pos, lst, cnt, scale_log2, scale, NT,
                        H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
@@ -194,11 +199,17 @@ def _sel_bwd_dq_kernel(q, k, v, do, lse, delta, dq, idx, pos, scale_log2, scale,
     b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.)                 # [M]
     b_delta = tl.load(delta + t_off + hq_r, mask=m_r, other=0.)             # [M]
     b_dq = tl.zeros([M, BD], tl.float32)
-    for f in range(BT * NS):
-        j, bos, m_row, rel_max = _slot_rows(idx, pos, b_idx, p_r, rel_r, bos_r, m_r, f, i_t, i_h, NT,
-                                            H, BT, BS, NS, BNS, UNION)
-        b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
-                         H, D, DV, BD, BDV, BS, BK)
+    if UNION:
+        b_start = tl.where(b_idx >= 0, bos_r[:, None] + b_idx * BS, -1)                   # [M, BNS]
+        for f in range(tl.load(cnt + i_t * H + i_h)):
+            u0, m_row, rel_u, rel_max = _union_rows(lst, b_start, m_r, bos_r + rel_r, f, i_t, i_h, H, BT, NS)
+            b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, 0, u0, m_row, rel_u, rel_max, scale_log2, i_h,
+                             H, D, DV, BD, BDV, BS, BK)
+    else:
+        for f in range(BT * NS):
+            j, bos, m_row, rel_max = _slot_rows(idx, pos, p_r, m_r, f, i_t, i_h, NT, H, BT, BS, NS)
+            b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
+                             H, D, DV, BD, BDV, BS, BK)
     store_rows(dq, t_off + hq_r, m_r, b_dq * scale, D, BD)
 
 
@@ -509,6 +520,23 @@ def _key_path(G):
     return path == "key" or (path == "auto" and G <= KEY_MAX_G)
 
 
+def union_lists(idx, pos, BT, sel_block):
+    """Per tile of BT tokens and kv head, the distinct blocks its tokens selected, each once, for the union tiles:
+    lst (tiles * H, BT * n) int32, their first packed tokens (sequence start + id * l') ascending, then -1; and cnt
+    (tiles * H,) int32, how many. idx (NT, H, n) cleaned ids, pos (NT,) int32 positions. Two sorts; no host sync."""
+    NT, H, NS = idx.shape
+    tiles = triton.cdiv(NT, BT)
+    none = torch.iinfo(torch.int32).max
+    start = (torch.arange(NT, device=idx.device, dtype=torch.int32) - pos)[:, None, None] + idx * sel_block
+    start = torch.where(idx >= 0, start, none)                                         # (NT, H, n)
+    start = torch.cat([start, start.new_full((tiles * BT - NT, H, NS), none)])         # whole tiles
+    lst = start.view(tiles, BT, H, NS).transpose(1, 2).reshape(tiles * H, BT * NS).sort(-1).values
+    lst[:, 1:] = torch.where(lst[:, 1:] == lst[:, :-1], none, lst[:, 1:])             # repeats -> none, then last
+    lst = lst.sort(-1).values
+    cnt = (lst != none).sum(-1, dtype=torch.int32)
+    return torch.where(lst == none, -1, lst), cnt
+
+
 def _query_launch(name, G):
     """(M, union, launch kwargs) of the query-centric kernel CONFIG[name] ("fwd" or "dq"); a tile holds M // G
     tokens, and union tiles need more than one."""
@@ -686,10 +714,11 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
         o, lse = _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_log2)
         return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
     M, union, cfg = _query_launch("fwd", c["G"])
+    lst, cnt = union_lists(idx, pos, M // c["G"], sel_block) if union else (idx, idx)
     o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
-    _sel_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](qf, kf, vf, o, lse, gf, idx, pos, scale_log2, NT, M=M,
-                                                            NS=NS, BNS=triton.next_power_of_2(NS), UNION=union,
+    _sel_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](qf, kf, vf, o, lse, gf, idx, pos, lst, cnt, scale_log2,
+                                                            NT, M=M, NS=NS, BNS=triton.next_power_of_2(NS), UNION=union,
                                                             GATED=gf is not None, **c, **cfg)
     return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
 
@@ -717,9 +746,10 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     dq = torch.empty_like(qf)
     if not key_path:  # query-centric dq; the key-centric path gets dq from the dk/dv kernel's partials
         M, union, cfg = _query_launch("dq", c["G"])
-        _sel_bwd_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](qf, kf, vf, dof, lse, delta, dq, idx, pos, scale_log2,
-                                                              scale, NT, M=M, NS=NS, BNS=triton.next_power_of_2(NS),
-                                                              UNION=union, **c, **cfg)
+        lst, cnt = union_lists(idx, pos, M // c["G"], sel_block) if union else (idx, idx)
+        _sel_bwd_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](qf, kf, vf, dof, lse, delta, dq, idx, pos, lst, cnt,
+                                                              scale_log2, scale, NT, M=M, NS=NS,
+                                                              BNS=triton.next_power_of_2(NS), UNION=union, **c, **cfg)
     cfg = dict(CONFIG[_dkv_entry(key_path, c["G"], D, DV)])
     cfg.pop("chunk_rows")                                                      # in the index
     c_kv, NKC = _key_tiles(c, sel_block)

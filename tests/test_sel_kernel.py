@@ -129,13 +129,35 @@ def test_key_path_token_windows_match_reference(path, monkeypatch):
 
 
 @pytest.mark.parametrize("path", ["query"], indirect=True)
-def test_union_tiles_match_reference(path, monkeypatch):
-    """union=True: a tile of several tokens loads a block listed by several of them once (the other launch choice)."""
+@pytest.mark.parametrize("rows", [16, 64])
+def test_union_tiles_match_reference(path, rows, monkeypatch):
+    """union=True: a tile of several tokens walks the union of their blocks, each loaded once for all the rows that
+    chose it (the other launch choice); tiles of 8 and 32 tokens (G = 2), across two var-length sequences, gated."""
     for kname in ("fwd", "dq"):
-        monkeypatch.setitem(sel_kernel.CONFIG, kname, dict(sel_kernel.CONFIG[kname], union=True))
+        monkeypatch.setitem(sel_kernel.CONFIG, kname, dict(sel_kernel.CONFIG[kname], union=True, rows=rows))
+    cu = torch.tensor([0, 20, 57], dtype=torch.int32)
     out, ref = run_both(1, 45, 4, 2, 32, 32, 3, 16, torch.float32, seed=14)
-    for name, a, b in zip(("o", "dq", "dk", "dv"), out, ref):
-        assert rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
+    out2, ref2 = run_both(1, 57, 4, 2, 32, 32, 3, 16, torch.float32, seed=15, cu_seqlens=cu, gated=True)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "o", "dq", "dk", "dv", "dgate"), out + out2, ref + ref2):
+        assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
+
+
+def test_union_lists():
+    """union_lists: each tile's distinct selected blocks (by packed first token, so equal ids of two sequences
+    differ), ascending, then -1, and their count; against sets."""
+    g = torch.Generator().manual_seed(3)
+    NT, H, NS, BT, BS = 23, 2, 4, 8, 4
+    pos = torch.cat([torch.arange(10), torch.arange(13)]).to(torch.int32)       # two sequences: 10 and 13 tokens
+    idx = torch.randint(-1, 4, (NT, H, NS), generator=g, dtype=torch.int32)
+    idx = torch.where(idx <= (pos // BS)[:, None, None], idx, -1)
+    lst, cnt = sel_kernel.union_lists(idx, pos, BT, BS)
+    bos = torch.arange(NT) - pos
+    for tile in range(3):
+        for h in range(H):
+            want = sorted({int(bos[t] + j * BS) for t in range(tile * BT, min(NT, tile * BT + BT))
+                           for j in idx[t, h].tolist() if j >= 0})
+            row = lst[tile * H + h].tolist()
+            assert cnt[tile * H + h] == len(want) and row == want + [-1] * (BT * NS - len(want))
 
 
 def test_key_path_default_launch_config_matches_reference(monkeypatch):
