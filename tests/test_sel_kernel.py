@@ -535,6 +535,19 @@ def test_varlen_gpu(path, HQ):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["query"], indirect=True)
+def test_union_tiles_gated_gpu(path, monkeypatch):
+    """bf16: union tiles of 4 tokens at G = 16 (the kernels' compiled union loops), var-length and gated, match the
+    fp32 reference, dgate included."""
+    for kname in ("fwd", "dq"):
+        monkeypatch.setitem(sel_kernel.CONFIG, kname, dict(sel_kernel.CONFIG[kname], union=True, rows=64))
+    cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
+    out, ref = run_both(1, 2000, 32, 2, 128, 128, 16, 64, torch.bfloat16, device="cuda", cu_seqlens=cu, gated=True)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
+        assert rel_rmse(a, b) <= 1e-2, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("path", ["key"], indirect=True)
 def test_key_path_windows_gated_gpu(path, monkeypatch):
     """bf16: the key path over several token windows (300 tokens each, cutting the sequences) with a gate matches the
