@@ -9,7 +9,9 @@ public functions at the bottom; test_nsa_kernels.py and test_decode.py check the
 # token major, so every key tile is loaded once for the whole group). dk/dv is key-centric: one program = BN keys of
 # one kv head walking the queries that read them (split into token chunks when keys are few); no atomics, so the
 # backward is deterministic. Steps that every row reads in full skip the mask. Softmax in base 2, lse stored fp32
-# (natural log).
+# (natural log). Key tiles come as TMA boxes where tma_boxes applies (Hopper): a masked step then reads its BN keys
+# whole, and keys no row of the tile reads get probability 0, exact for finite values; by pointers (other GPUs, and
+# the compressed keys of var-length input, whose padding is never read) it reads none past the tile's last key.
 #
 # Block selection (Eq. 8-10) streams the compressed keys again with the compressed branch's lse: per chunk of NP
 # selection blocks (causally masked only where a token of the tile does not see the whole chunk) it computes p_cmp
@@ -28,6 +30,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # launch parameters: M = query rows (whole tokens x their G heads, packed) per program, BN = keys per step (dk/dv:
 # BN keys per program, M query rows per step); picked on one H100 by bench.py's layer-mode sweep at T = 65536, HQ = 64
@@ -98,6 +101,22 @@ def store_rows(ptr, rows, m, x, D: tl.constexpr, BD: tl.constexpr):
     o_d = tl.arange(0, BD)
     tl.store(ptr + rows.to(tl.int64)[:, None] * D + o_d[None, :], x.to(ptr.dtype.element_ty),
              mask=m[:, None] & (o_d < D)[None, :])
+
+
+@triton.jit
+def key_tile(k, v, k0, k_end, i_h, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+             BDV: tl.constexpr, BN: tl.constexpr, BOXES: tl.constexpr):
+    """K [BN, BD] and V [BN, BDV] of the packed keys k0 .. k0 + BN - 1 of kv head i_h: with BOXES (tma_boxes of
+    [BN, 1, BD | BDV]) one box each, all BN keys (zeros past the arrays' ends); else by pointers, zeros from key k_end on."""
+    if BOXES:
+        b_k = k.load([k0, i_h, 0]).reshape(BN, BD)
+        b_v = v.load([k0, i_h, 0]).reshape(BN, BDV)
+    else:
+        c = k0 + tl.arange(0, BN)
+        k_off = c.to(tl.int64) * H + i_h
+        b_k = load_rows(k, k_off, c < k_end, D, BD)
+        b_v = load_rows(v, k_off, c < k_end, DV, BDV)
+    return b_k, b_v
 
 
 @triton.jit
@@ -191,6 +210,19 @@ def sequences(B, T, cu_seqlens, device):
 
 def pack(x):
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()   # (B, T, ...) -> (B*T, ...)
+
+
+def tma_boxes(x, y, box_x, box_y):
+    """x, y: packed (N, H, D) arrays, as tensor descriptors whose loads are boxes of box_x / box_y elements (e.g.
+    [BN, 1, D]: BN consecutive keys of one head; zeros past the arrays' ends), read by TMA on Hopper, and True; or x,
+    y themselves and False where boxes do not apply to both (a GPU before Hopper, rows not 16-byte aligned, no
+    rows): the kernels then load by pointers."""
+    def aligned(a):
+        return a.numel() > 0 and a.data_ptr() % 16 == 0 and a.stride(1) * a.element_size() % 16 == 0
+    if not (aligned(x) and aligned(y)) or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9):
+        return x, y, False
+    return (TensorDescriptor(x, list(x.shape), list(x.stride()), box_x),
+            TensorDescriptor(y, list(y.shape), list(y.stride()), box_y), True)
 
 
 def pack_gate(gate):
@@ -298,13 +330,11 @@ def _split(lo, hi, valid, BN: tl.constexpr):
 @triton.jit
 def _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, k_from, k_to, k_end, scale_log2, i_h,
               H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-              BN: tl.constexpr, MASK: tl.constexpr):
+              BN: tl.constexpr, MASK: tl.constexpr, BOXES: tl.constexpr):
     o_n = tl.arange(0, BN)
     for k0 in range(k_from, k_to, BN):
         c = k0 + o_n                                                                      # [BN] key ids
-        k_off = c.to(tl.int64) * H + i_h
-        b_k = load_rows(k, k_off, c < k_end, D, BD)                                       # [BN, BD]
-        b_v = load_rows(v, k_off, c < k_end, DV, BDV)                                     # [BN, BDV]
+        b_k, b_v = key_tile(k, v, k0, k_end, i_h, H, D, DV, BD, BDV, BN, BOXES)          # [BN, BD], [BN, BDV]
         b_s = tl.dot(b_q, tl.trans(b_k))                                                  # [M, BN]
         if MASK:
             b_s = tl.where((c[None, :] >= b_lo[:, None]) & (c[None, :] < b_hi[:, None]), b_s, float("-inf"))
@@ -317,7 +347,7 @@ def _range_fwd_kernel(q, k, v, o, lse, gate, lo, hi, scale_log2, NT,
                       KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB,
                       H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                       D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
-                      GATED: tl.constexpr):
+                      BOXES: tl.constexpr, GATED: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     BT: tl.constexpr = M // G                                                             # tokens per tile
     p_r, g_r, m_g = group_rows(M, G)
@@ -330,11 +360,11 @@ def _range_fwd_kernel(q, k, v, o, lse, gate, lo, hi, scale_log2, NT,
     acc = tl.zeros([M, BDV], tl.float32)
     k0, ka, kb, k_end = _split(b_lo, b_hi, m_r, BN)
     m_i, l_i, acc = _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, k0, ka, k_end, scale_log2, i_h,
-                              H, D, DV, BD, BDV, BN, MASK=True)
+                              H, D, DV, BD, BDV, BN, MASK=True, BOXES=BOXES)
     m_i, l_i, acc = _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, ka, kb, k_end, scale_log2, i_h,
-                              H, D, DV, BD, BDV, BN, MASK=False)
+                              H, D, DV, BD, BDV, BN, MASK=False, BOXES=BOXES)
     m_i, l_i, acc = _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, kb, k_end, k_end, scale_log2, i_h,
-                              H, D, DV, BD, BDV, BN, MASK=True)
+                              H, D, DV, BD, BDV, BN, MASK=True, BOXES=BOXES)
     b_o, b_lse = softmax_finish(m_i, l_i, acc)
     store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate, t_off + hq_r, m_r, GATED), DV, BDV)
     tl.store(lse + t_off + hq_r, b_lse * 0.6931471805599453, mask=m_r)                    # natural log
@@ -346,13 +376,11 @@ def _range_fwd_kernel(q, k, v, o, lse, gate, lo, hi, scale_log2, NT,
 @triton.jit
 def _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, k_from, k_to, k_end, scale_log2, i_h,
              H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-             BN: tl.constexpr, MASK: tl.constexpr):
+             BN: tl.constexpr, MASK: tl.constexpr, BOXES: tl.constexpr):
     o_n = tl.arange(0, BN)
     for k0 in range(k_from, k_to, BN):
         c = k0 + o_n
-        k_off = c.to(tl.int64) * H + i_h
-        b_k = load_rows(k, k_off, c < k_end, D, BD)
-        b_v = load_rows(v, k_off, c < k_end, DV, BDV)
+        b_k, b_v = key_tile(k, v, k0, k_end, i_h, H, D, DV, BD, BDV, BN, BOXES)
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                                     # [M, BN]
         b_p = tl.exp2(b_s - b_lse[:, None])
         if MASK:
@@ -368,7 +396,7 @@ def _range_bwd_dq_kernel(q, k, v, o, do, lse, lse2, delta, dq, gate, lo, hi, sca
                          KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, A, BB,
                          H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                          D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
-                         GATED: tl.constexpr):
+                         BOXES: tl.constexpr, GATED: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     p_r, g_r, m_g = group_rows(M, G)
     t_r = i_t * (M // G) + p_r
@@ -386,11 +414,11 @@ def _range_bwd_dq_kernel(q, k, v, o, do, lse, lse2, delta, dq, gate, lo, hi, sca
     b_dq = tl.zeros([M, BD], tl.float32)
     k0, ka, kb, k_end = _split(b_lo, b_hi, m_r, BN)
     b_dq = _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, k0, ka, k_end, scale_log2, i_h,
-                    H, D, DV, BD, BDV, BN, MASK=True)
+                    H, D, DV, BD, BDV, BN, MASK=True, BOXES=BOXES)
     b_dq = _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, ka, kb, k_end, scale_log2, i_h,
-                    H, D, DV, BD, BDV, BN, MASK=False)
+                    H, D, DV, BD, BDV, BN, MASK=False, BOXES=BOXES)
     b_dq = _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, kb, k_end, k_end, scale_log2, i_h,
-                    H, D, DV, BD, BDV, BN, MASK=True)
+                    H, D, DV, BD, BDV, BN, MASK=True, BOXES=BOXES)
     store_rows(dq, t_off + hq_r, m_r, b_dq * scale, D, BD)
 
 
@@ -861,6 +889,14 @@ def _launch_cfg(name, q, k, v):
     return M, c
 
 
+def _range_keys(k, v, geo, BN, c):
+    """K and V of the forward and dq kernels as key_tile loads them (tma_boxes), but by pointers for compressed keys with
+    var-length input: past cu_seqlens_cmp[-1] they may be padding, which no kernel reads."""
+    if geo["KIND"] == 0 and geo["VARLEN"]:
+        return k, v, False
+    return tma_boxes(k, v, [BN, 1, c["BD"]], [BN, 1, c["BDV"]])
+
+
 def _range_fwd(q, k, v, gate, geo, lo, hi, scale):
     """q (NT, HQ, D), k (NK, H, D), v (NK, H, Dv), gate (NT, HQ) fp32 or None, packed -> o (NT, HQ, Dv) (times the
     gate), lse (NT, HQ) fp32 natural log (of the branch's own softmax)."""
@@ -871,8 +907,9 @@ def _range_fwd(q, k, v, gate, geo, lo, hi, scale):
         return o, lse
     M, launch = _launch_cfg("fwd", q, k, v)
     c, BT = _sizes(q, k, v, M)
-    _range_fwd_kernel[(triton.cdiv(NT, BT), c["H"])](q, k, v, o, lse, gate, lo, hi, scale * math.log2(math.e), NT,
-                                                          **geo, **c, **launch, GATED=gate is not None)
+    kb, vb, boxes = _range_keys(k, v, geo, launch["BN"], c)
+    _range_fwd_kernel[(triton.cdiv(NT, BT), c["H"])](q, kb, vb, o, lse, gate, lo, hi, scale * math.log2(math.e), NT,
+                                                          **geo, **c, **launch, BOXES=boxes, GATED=gate is not None)
     return o, lse
 
 
@@ -889,8 +926,9 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale):
     if NT > 0:
         M, launch = _launch_cfg("dq", q, k, v)
         c, BT = _sizes(q, k, v, M)
-        _range_bwd_dq_kernel[(triton.cdiv(NT, BT), c["H"])](q, k, v, o, do, lse, lse2, delta, dq, gate, lo, hi, sl2,
-                                                                 scale, NT, **geo, **c, **launch,
+        kb, vb, boxes = _range_keys(k, v, geo, launch["BN"], c)
+        _range_bwd_dq_kernel[(triton.cdiv(NT, BT), c["H"])](q, kb, vb, o, do, lse, lse2, delta, dq, gate, lo, hi, sl2,
+                                                                 scale, NT, **geo, **c, **launch, BOXES=boxes,
                                                                  GATED=gate is not None)
     if NK > 0 and NT > 0:
         M, launch = _launch_cfg("dkv", q, k, v)

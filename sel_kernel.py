@@ -11,13 +11,17 @@ import triton
 import triton.language as tl
 
 from nsa_kernels import (attention_op, gate_delta, gate_grad, gate_lse, gate_out, group_rows, head_sizes,
-                         launch_entry, load_rows, pack, pack_gate, sequences, softmax_finish, softmax_rescale,
-                         softmax_step, store_rows, tile_m, tile_rows)
+                         key_tile, launch_entry, load_rows, pack, pack_gate, sequences, softmax_finish,
+                         softmax_rescale, softmax_step, store_rows, tile_m, tile_rows, tma_boxes)
 
 # Layout of the work (NT = all packed tokens, H kv heads, G = HQ / H query heads per kv head, l' = sel_block, n slots):
 # - forward and dq: query-centric. One program = BT = M // G consecutive tokens x the G heads of one kv group (an
 #   [M, D] Q tile packed as group_rows does, M >= 16 for tl.dot); it walks the tokens' n slots and streams each
-#   selected key block once for the whole group (paper Fig. 3, group-centric loading).
+#   selected key block once for the whole group (paper Fig. 3, group-centric loading). Where nsa_kernels.tma_boxes
+#   applies (Hopper, 16-byte aligned rows) the blocks come as whole boxes by TMA, which frees the program of address
+#   arithmetic (a warp per token at G = 16): keys of the box past a token's position (in its own block, or past
+#   its sequence's end) are read and get probability 0, exact for finite values, as in any tiled causal kernel;
+#   an unused slot reads a box past the array's end (zeros). Else by masked pointer loads, nothing past the token.
 # - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
 #   builds the reverse index (which (token, slot) pairs selected each block, tokens ascending) in O(NT*H*n) memory;
 #   each list is cut into chunks of CONFIG's chunk_rows query rows so block 0 (selected by every token) does not
@@ -40,8 +44,8 @@ KEY_WINDOW_ROWS = 2 ** 23  # key path: per-pair partial rows (token x query head
 # least); union: a tile of several tokens loads a block listed by several of them once; chunk_rows: query rows
 # (tokens x G) per work item of the block-centric kernels (scratch: T*H*n*G / chunk_rows + blocks tiles)
 CONFIG = {
-    "fwd": dict(rows=16, union=False, num_warps=4, num_stages=2),
-    "dq": dict(rows=16, union=False, num_warps=2, num_stages=2),
+    "fwd": dict(rows=16, union=False, num_warps=1, num_stages=2),
+    "dq": dict(rows=16, union=False, num_warps=2, num_stages=3),
     "dkv": dict(rows=64, chunk_rows=16384, num_warps=4, num_stages=3),
     "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by G
     "key_fwd": dict(rows=64, num_warps=4, num_stages=3),  # its chunks are key_bwd's (one reverse index)
@@ -99,28 +103,30 @@ def _query_tile(q, idx, pos, i_t, i_h, NT, H: tl.constexpr, G: tl.constexpr, M: 
 
 
 @triton.jit
-def _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h, H: tl.constexpr, D: tl.constexpr,
-                DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
+def _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h, NT, H: tl.constexpr,
+                D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr,
+                BK: tl.constexpr, BOXES: tl.constexpr):
     """Keys kc .. kc + BK - 1 of selected block j (positions j*l' + kc .. of the sequence starting at token bos),
     read by the rows m_row up to their own positions rel_r (rel_max: the largest of them): K [BK, BD], V [BK, BDV],
-    the scores [M, BK] before the scale and where they count."""
+    the scores [M, BK] before the scale and where they count. With BOXES, k and v are tma_boxes descriptors and the
+    BK keys come whole (see "Masks"); else by pointers, none past rel_max."""
     u = j * BS + kc + tl.arange(0, BK)                                      # [BK] key positions (relative)
     m_k = (kc + tl.arange(0, BK) < BS) & (u >= 0) & (u <= rel_max)          # none when no row uses j
-    k_off = (bos + u).to(tl.int64) * H + i_h
-    b_k = load_rows(k, k_off, m_k, D, BD)                                   # [BK, BD]
-    b_v = load_rows(v, k_off, m_k, DV, BDV)                                 # [BK, BDV]
+    used = rel_max >= 0
+    row, k_end = tl.where(used, bos + j * BS + kc, NT), tl.where(used, bos + rel_max + 1, 0)  # unused: nothing
+    b_k, b_v = key_tile(k, v, row, k_end, i_h, H, D, DV, BD, BDV, BK, BOXES)  # [BK, BD], [BK, BDV]
     b_s = tl.dot(b_q, tl.trans(b_k))                                        # [M, BK]
     return b_k, b_v, b_s, m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])  # causal inside the block
 
 
 @triton.jit
-def _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
+def _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_log2, i_h, NT,
                H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-               BS: tl.constexpr, BK: tl.constexpr):
+               BS: tl.constexpr, BK: tl.constexpr, BOXES: tl.constexpr):
     """The online softmax over the keys of selected block j in BK-steps."""
     for kc in tl.static_range(0, BS, BK):
-        _, b_v, b_s, m_s = _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h,
-                                       H, D, DV, BD, BDV, BS, BK)
+        _, b_v, b_s, m_s = _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h, NT,
+                                       H, D, DV, BD, BDV, BS, BK, BOXES)
         m_i, l_i, acc = softmax_step(tl.where(m_s, b_s, float("-inf")), scale_log2, b_v, m_i, l_i, acc)
     return m_i, l_i, acc
 
@@ -130,7 +136,7 @@ def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, lst, cnt, scale_log2, NT,
                     H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                     BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr,
-                    GATED: tl.constexpr):
+                    BOXES: tl.constexpr, GATED: tl.constexpr):
     """o (times the gate) and the base-2 lse of tile i_t of BT tokens x the G heads of kv head i_h, over the tokens'
     selected blocks: slot by slot, or (UNION) each block of the tile's union list once for all its rows."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
@@ -144,12 +150,12 @@ def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, lst, cnt, scale_log2, NT,
         for f in range(tl.load(cnt + i_t * H + i_h)):
             u0, m_row, rel_u, rel_max = _union_rows(lst, b_start, m_r, bos_r + rel_r, f, i_t, i_h, H, BT, NS)
             m_i, l_i, acc = _fwd_inner(b_q, k, v, m_i, l_i, acc, 0, u0, m_row, rel_u, rel_max, scale_log2, i_h,
-                                       H, D, DV, BD, BDV, BS, BK)
+                                       NT, H, D, DV, BD, BDV, BS, BK, BOXES)
     else:
         for f in range(BT * NS):                          # slot f = (token f // n, slot f % n) of the tile
             j, bos, m_row, rel_max = _slot_rows(idx, pos, p_r, m_r, f, i_t, i_h, NT, H, BT, BS, NS)
             m_i, l_i, acc = _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
-                                       H, D, DV, BD, BDV, BS, BK)
+                                       NT, H, D, DV, BD, BDV, BS, BK, BOXES)
     b_o, b_lse = softmax_finish(m_i, l_i, acc)            # lse: base 2, of the scaled scores
     store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate, t_off + hq_r, m_r, GATED), DV, BDV)
     tl.store(lse + t_off + hq_r, b_lse, mask=m_r)
@@ -172,13 +178,13 @@ def _sel_bwd_delta_kernel(o, do, lse, delta, lse2, gate, NR, DV: tl.constexpr, B
 
 
 @triton.jit
-def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
+def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_max, scale_log2, i_h, NT,
               H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-              BS: tl.constexpr, BK: tl.constexpr):
+              BS: tl.constexpr, BK: tl.constexpr, BOXES: tl.constexpr):
     """dq over the keys of selected block j, as _fwd_inner walks them."""
     for kc in tl.static_range(0, BS, BK):
-        b_k, b_v, b_s, m_s = _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h,
-                                         H, D, DV, BD, BDV, BS, BK)
+        b_k, b_v, b_s, m_s = _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h, NT,
+                                         H, D, DV, BD, BDV, BS, BK, BOXES)
         b_p = tl.where(m_s, tl.exp2(b_s * scale_log2 - b_lse[:, None]), 0.)
         b_dp = tl.dot(b_do, tl.trans(b_v))                                  # [M, BK]
         b_ds = b_p * (b_dp - b_delta[:, None])
@@ -190,7 +196,8 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_m
 def _sel_bwd_dq_kernel(q, k, v, do, lse, delta, dq, idx, pos, lst, cnt, scale_log2, scale, NT,
                        H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                       BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
+                       BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr,
+                       BOXES: tl.constexpr):
     """dq of tile i_t of BT tokens x the G heads of kv head i_h, walking the blocks as the forward does."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     BT: tl.constexpr = M // G
@@ -204,12 +211,12 @@ def _sel_bwd_dq_kernel(q, k, v, do, lse, delta, dq, idx, pos, lst, cnt, scale_lo
         for f in range(tl.load(cnt + i_t * H + i_h)):
             u0, m_row, rel_u, rel_max = _union_rows(lst, b_start, m_r, bos_r + rel_r, f, i_t, i_h, H, BT, NS)
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, 0, u0, m_row, rel_u, rel_max, scale_log2, i_h,
-                             H, D, DV, BD, BDV, BS, BK)
+                             NT, H, D, DV, BD, BDV, BS, BK, BOXES)
     else:
         for f in range(BT * NS):
             j, bos, m_row, rel_max = _slot_rows(idx, pos, p_r, m_r, f, i_t, i_h, NT, H, BT, BS, NS)
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
-                             H, D, DV, BD, BDV, BS, BK)
+                             NT, H, D, DV, BD, BDV, BS, BK, BOXES)
     store_rows(dq, t_off + hq_r, m_r, b_dq * scale, D, BD)
 
 
@@ -717,9 +724,10 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
     lst, cnt = union_lists(idx, pos, M // c["G"], sel_block) if union else (idx, idx)
     o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
-    _sel_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](qf, kf, vf, o, lse, gf, idx, pos, lst, cnt, scale_log2,
+    kb, vb, boxes = tma_boxes(kf, vf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BDV"]])
+    _sel_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](qf, kb, vb, o, lse, gf, idx, pos, lst, cnt, scale_log2,
                                                             NT, M=M, NS=NS, BNS=triton.next_power_of_2(NS), UNION=union,
-                                                            GATED=gf is not None, **c, **cfg)
+                                                            BOXES=boxes, GATED=gf is not None, **c, **cfg)
     return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
 
 
@@ -747,9 +755,11 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     if not key_path:  # query-centric dq; the key-centric path gets dq from the dk/dv kernel's partials
         M, union, cfg = _query_launch("dq", c["G"])
         lst, cnt = union_lists(idx, pos, M // c["G"], sel_block) if union else (idx, idx)
-        _sel_bwd_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](qf, kf, vf, dof, lse, delta, dq, idx, pos, lst, cnt,
+        kb, vb, boxes = tma_boxes(kf, vf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BDV"]])
+        _sel_bwd_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](qf, kb, vb, dof, lse, delta, dq, idx, pos, lst, cnt,
                                                               scale_log2, scale, NT, M=M, NS=NS,
-                                                              BNS=triton.next_power_of_2(NS), UNION=union, **c, **cfg)
+                                                              BNS=triton.next_power_of_2(NS), UNION=union,
+                                                              BOXES=boxes, **c, **cfg)
     cfg = dict(CONFIG[_dkv_entry(key_path, c["G"], D, DV)])
     cfg.pop("chunk_rows")                                                      # in the index
     c_kv, NKC = _key_tiles(c, sel_block)

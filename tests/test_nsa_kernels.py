@@ -179,9 +179,13 @@ def test_gated_matches_reference(branch):
     check(out, ref, 1e-5, (CMP_NAMES if branch == "compressed" else WIN_NAMES) + ("dgate",))
 
 
-def test_small_tiles_masked_and_unmasked_steps(monkeypatch):
+@pytest.mark.parametrize("loads", ["boxes", "pointers"])
+def test_small_tiles_masked_and_unmasked_steps(monkeypatch, loads):
     """16-row / 16-key tiles, so every kernel has key (or query) steps that all its rows read in full, which skip
-    the mask, between masked first and last steps; and dk/dv split into query chunks."""
+    the mask, between masked first and last steps; and dk/dv split into query chunks. Key tiles as TMA boxes (the
+    interpreter reads them as Hopper does) and by pointers (GPUs before Hopper, rows not 16-byte aligned)."""
+    if loads == "pointers":
+        monkeypatch.setattr(nk, "tma_boxes", lambda x, y, *boxes: (x, y, False))
     for name in [n for n in nk.CONFIG if not n.startswith("select")]:     # every entry any G or width takes
         monkeypatch.setitem(nk.CONFIG, name, dict(M=16, BN=16, num_warps=4, num_stages=1))
     monkeypatch.setattr(nk, "DKV_CHUNK", 40)
@@ -205,6 +209,18 @@ def test_launch_entry_by_width_then_group():
     assert nk.launch_entry("fwd", 1, d + 1) == "fwd_small_g" and nk.launch_entry("select", 1, d) == "select_small_g"
     q, k = torch.zeros(1, 1, 2 * g, d), torch.zeros(1, 1, 2, d)
     assert nk._launch_cfg("dkv", q, k, k)[0] == nk.CONFIG["dkv_small_d"]["M"]
+
+
+def test_tma_boxes_only_for_aligned_rows():
+    """tma_boxes: descriptors of [rows, 1, BD] boxes over (N, H, D) arrays whose rows are 16-byte aligned (the
+    interpreter takes them as Hopper does), else the arrays themselves (pointer loads)."""
+    x = torch.zeros(10, 2, 32, dtype=torch.float16)
+    kb, vb, boxes = nk.tma_boxes(x, x, [8, 1, 32], [8, 1, 32])
+    assert boxes and list(kb.block_shape) == [8, 1, 32] and list(kb.strides) == [64, 32, 1]
+    narrow = torch.zeros(10, 2, 20, dtype=torch.float16)                                             # 40-byte rows
+    assert nk.tma_boxes(x, narrow, [8, 1, 32], [8, 1, 32]) == (x, narrow, False)
+    shifted = torch.zeros(10 * 2 * 32 + 1, dtype=torch.float16)[1:].view(10, 2, 32)                # 2-byte offset
+    assert nk.tma_boxes(shifted, x, [8, 1, 32], [8, 1, 32]) == (shifted, x, False)
 
 
 # (B, T, HQ, H, D, l, d, l', n, n_init, n_local): forced blocks on/off, fewer candidates than n (-1 padding),

@@ -76,7 +76,8 @@ def randn(*shapes, seed, dtype=torch.float32, device="cpu"):
 
 
 # (B, T, HQ, H, D, DV, n, sel_block, dtype): G = 1, 2, 3, 4, 8, 16; T < l', T not a multiple of l'; D != Dv; l' = 48
-# (one 64-key tile, partly masked); D = 160 (two 32-key sub-blocks per block on the key side)
+# (one 64-key tile, partly masked); D = 160 (two 32-key sub-blocks per block on the key side); rows of 40 bytes (the
+# query path's K/V by pointers: no TMA boxes)
 CPU_CASES = {
     "G1-D32-T40-B2-fp32": (2, 40, 2, 2, 32, 32, 3, 16, torch.float32),
     "G2-D32-T33-fp16": (1, 33, 4, 2, 32, 32, 2, 16, torch.float16),
@@ -86,6 +87,7 @@ CPU_CASES = {
     "G16-D32-Dv64-T30-fp16": (1, 30, 16, 1, 32, 64, 2, 16, torch.float16),
     "G2-lsel48-T100-fp32": (1, 100, 2, 1, 32, 32, 2, 48, torch.float32),
     "G1-D160-2subblocks-T70-fp32": (1, 70, 2, 2, 160, 32, 3, 64, torch.float32),
+    "G2-D20-unaligned-rows-fp16": (1, 33, 4, 2, 20, 20, 2, 16, torch.float16),  # 40-byte rows: pointer loads
 }
 # G = 16 on the query path only (the key path is for small G); sub-blocks on the key path only (its forward splits)
 NOT_ON = {"key": {"G16-D32-Dv64-T30-fp16"}, "query": {"G1-D160-2subblocks-T70-fp32"}}
@@ -282,11 +284,16 @@ def test_deterministic_two_runs_bit_identical(path):
         assert torch.equal(x, y)
 
 
-def test_out_of_range_and_repeated_ids_ignored_no_future_reads(path):
+@pytest.mark.parametrize("path,loads", [("query", "boxes"), ("query", "pointers"), ("key", "boxes")],
+                         indirect=["path"])
+def test_out_of_range_and_repeated_ids_ignored_no_future_reads(path, loads, monkeypatch):
     """Ids past t // l', below -1, far outside the tensor, or repeated change nothing; NaN keys after the first half
     never reach the first half's outputs or dq, which match the reference and equal a run on the first half alone.
-    The query path loads no key past its tile's last token, so its half ends inside a block; the key path loads
-    whole blocks (sel_kernel.py, "Masks"), so its half ends at a block."""
+    The query path by pointer loads reads no key past its tile's last token, so its half ends inside a block; by
+    boxes (tma_boxes) it reads whole blocks, as the key path does (sel_kernel.py, "Masks"): their half ends at a
+    block."""
+    if loads == "pointers":
+        monkeypatch.setattr(sel_kernel, "tma_boxes", lambda k, v, *boxes: (k, v, False))
     B, T, HQ, H, D, n, l = 1, 48, 2, 1, 32, 5, 16
     idx = random_indices(B, T, H, n, l, seed=6)
     bad = idx.clone()
@@ -297,7 +304,7 @@ def test_out_of_range_and_repeated_ids_ignored_no_future_reads(path):
     bad[0, 5, 0, 4], bad[0, 40, 0, 4] = 1 << 30, (1 << 31) - 1                  # far outside the tensor
     assert (bad != idx).any()
     q, k, v = randn((B, T, HQ, D), (B, T, H, D), (B, T, H, D), seed=7)
-    half = T // 2 if path == "query" else 2 * l
+    half = T // 2 if loads == "pointers" else 2 * l
     k[:, half:], v[:, half:] = float("nan"), float("nan")                      # the future of the first half
     qg = q.clone().requires_grad_()
     o = sel_kernel.selection_attention_triton(qg, k, v, bad, l)
