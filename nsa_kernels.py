@@ -107,7 +107,8 @@ def store_rows(ptr, rows, m, x, D: tl.constexpr, BD: tl.constexpr):
 def key_tile(k, v, k0, k_end, i_h, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
              BDV: tl.constexpr, BN: tl.constexpr, BOXES: tl.constexpr):
     """K [BN, BD] and V [BN, BDV] of the packed keys k0 .. k0 + BN - 1 of kv head i_h: with BOXES (tma_boxes of
-    [BN, 1, BD | BDV]) one box each, all BN keys (zeros past the arrays' ends); else by pointers, zeros from key k_end on."""
+    [BN, 1, BD | BDV]) one box each, all BN keys (zeros past the arrays' ends); else by pointers, zeros from key
+    k_end on."""
     if BOXES:
         b_k = k.load([k0, i_h, 0]).reshape(BN, BD)
         b_v = v.load([k0, i_h, 0]).reshape(BN, BDV)
@@ -890,8 +891,8 @@ def _launch_cfg(name, q, k, v):
 
 
 def _range_keys(k, v, geo, BN, c):
-    """K and V of the forward and dq kernels as key_tile loads them (tma_boxes), but by pointers for compressed keys with
-    var-length input: past cu_seqlens_cmp[-1] they may be padding, which no kernel reads."""
+    """K and V of the forward and dq kernels as key_tile loads them (tma_boxes), but by pointers for compressed keys
+    with var-length input: past cu_seqlens_cmp[-1] they may be padding, which no kernel reads."""
     if geo["KIND"] == 0 and geo["VARLEN"]:
         return k, v, False
     return tma_boxes(k, v, [BN, 1, c["BD"]], [BN, 1, c["BDV"]])
