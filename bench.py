@@ -499,8 +499,9 @@ def selection_sweep(trained, source):
 
     key_fwd, key_bwd = (nsa_kernels.launch_entry(n, HQ // H, max(D, Dv), sel_kernel.CONFIG)  # this shape's
                         for n in ("key_fwd", "key_bwd"))
-    grid = {"fwd": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
-            "dq": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (2, 4)],
+    grid = {"fwd": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (1, 2, 4)],
+            "dq": [dict(rows=16, union=u, num_warps=w, num_stages=s) for u in (True, False)
+                   for w, s in ((2, 2), (2, 3), (4, 2))],
             "dkv": [dict(rows=r, chunk_rows=16384, num_warps=w, num_stages=s)
                     for r, w, s in ((64, 4, 2), (64, 4, 3), (128, 8, 2))],
             key_fwd: [dict(rows=r, num_warps=w, num_stages=s)
