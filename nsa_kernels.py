@@ -34,18 +34,18 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 # launch parameters: M = query rows (whole tokens x their G heads, packed) per program, BN = keys per step (dk/dv:
 # BN keys per program, M query rows per step); picked on one H100 by bench.py's layer-mode sweep at T = 65536, HQ = 64
-# (G = 16), H = 4, D = 128, bf16. For G < SMALL_G the "*_small_g" entries replace them (the same sweep, gated, at
-# HQ = 16 and at Track B's shape, T = 8192), and for heads at most SMALL_D wide the "*_small_d" ones (Track B's shape:
-# D = 64; launch_entry); in the forward's and dq's, maxnreg (Triton's cap on registers per thread) fits four blocks per
-# multiprocessor instead of three without spilling (it spills at D = 128).
+# (G = 16), H = 4, D = 128, bf16 (dq: at 8k too, with its key tiles as boxes). For G < SMALL_G the "*_small_g" entries
+# replace them (the same sweep, gated, at HQ = 16 and at Track B's shape, T = 8192), and for heads at most SMALL_D
+# wide the "*_small_d" ones (Track B's shape: D = 64; launch_entry); in the forward's and dq's, maxnreg (Triton's cap
+# on registers per thread) fits four blocks per multiprocessor instead of three without spilling (it spills at
+# D = 128).
 # keys_major ("select") holds the scores as [compressed keys, query rows]: faster at G = 1..4 (sized there by tokens
 # per program), slower at G = 16; there 512 rows (G = 16: 32 tokens) share each compressed key tile, in 16 warps.
 CONFIG = {
     "fwd": dict(M=128, BN=64, num_warps=4, num_stages=2),
     "fwd_small_g": dict(M=64, BN=64, num_warps=4, num_stages=2),
     "fwd_small_d": dict(M=64, BN=64, num_warps=4, num_stages=2, maxnreg=128),
-    "dq": dict(M=128, BN=64, num_warps=8, num_stages=2),
-    "dq_small_g": dict(M=64, BN=64, num_warps=4, num_stages=2),
+    "dq": dict(M=64, BN=64, num_warps=4, num_stages=2),
     "dq_small_d": dict(M=64, BN=64, num_warps=4, num_stages=2, maxnreg=128),
     "dkv": dict(M=128, BN=64, num_warps=8, num_stages=2),
     "dkv_small_d": dict(M=64, BN=64, num_warps=4, num_stages=3),

@@ -250,7 +250,7 @@ def test_layer_sweep_varies_the_entries_its_g_takes(bench, monkeypatch, capsys, 
     bench.layer_sweep(None)
     small = hq // bench.H < nsa_kernels.SMALL_G
     narrow = max(bench.D, bench.Dv) <= nsa_kernels.SMALL_D
-    ranges = ({"fwd_small_d", "dq_small_d", "dkv_small_d"} if narrow else {"fwd_small_g", "dq_small_g", "dkv"} if small
+    ranges = ({"fwd_small_d", "dq_small_d", "dkv_small_d"} if narrow else {"fwd_small_g", "dq", "dkv"} if small
               else {"fwd", "dq", "dkv"})
     assert changed == ranges | {"select_small_g" if small else "select"}
     assert n_inputs == [4, 4]                                                 # q, k, v and the gate
