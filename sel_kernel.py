@@ -21,7 +21,8 @@ from nsa_kernels import (attention_op, gate_delta, gate_grad, gate_lse, gate_out
 #   applies (Hopper, 16-byte aligned rows) the blocks come as whole boxes by TMA, which frees the program of address
 #   arithmetic (a warp per token at G = 16): keys of the box past a token's position (in its own block, or past
 #   its sequence's end) are read and get probability 0, exact for finite values, as in any tiled causal kernel;
-#   an unused slot reads a box past the array's end (zeros). Else by masked pointer loads, nothing past the token.
+#   an unused slot reads a box past the array's end (zeros). Else by masked pointer loads, none past the tile's last
+#   token.
 # - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
 #   builds the reverse index (which (token, slot) pairs selected each block, tokens ascending) in O(NT*H*n) memory;
 #   each list is cut into chunks of CONFIG's chunk_rows query rows so block 0 (selected by every token) does not
