@@ -480,7 +480,15 @@ def _range_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, qlo, qhi, scale_log2,
     t0, ta, tb, t_end = _split(c_lo, c_hi, m_k, M // G)                                 # steps of M // G tokens
     b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, t0, ta, t_end, scale_log2, i_h,
                            H, G, M, D, DV, BD, BDV, MASK=True)
-    b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, ta, tb, t_end, scale_log2, i_h,
+    tr = ta
+    if KIND == 1:  # window: neighbouring key tiles read the same queries from starts BN tokens apart, and L2
+        # evicts them in between; so the unmasked steps begin at a phase all programs share (iteration i reads the
+        # step that is i modulo the step count), and overlapping ranges read each query tile in the same iteration
+        n_mid = tl.maximum((tb - ta) // (M // G), 1)
+        tr = ta + (n_mid - (ta // (M // G)) % n_mid) % n_mid * (M // G)
+    b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, tr, tb, t_end, scale_log2, i_h,
+                           H, G, M, D, DV, BD, BDV, MASK=False)
+    b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, ta, tr, t_end, scale_log2, i_h,
                            H, G, M, D, DV, BD, BDV, MASK=False)
     b_dk, b_dv = _dkv_loop(b_k, b_v, b_dk, b_dv, q, do, lse, delta, b_qlo, b_qhi, tb, t_end, t_end, scale_log2,
                            i_h, H, G, M, D, DV, BD, BDV, MASK=True)
