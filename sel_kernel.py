@@ -22,7 +22,8 @@ from nsa_kernels import (attention_op, gate_delta, gate_grad, gate_lse, gate_out
 #   arithmetic (a warp per token at G = 16): keys of the box past a token's position (in its own block, or past
 #   its sequence's end) are read and get probability 0, exact for finite values, as in any tiled causal kernel;
 #   an unused slot reads a box past the array's end (zeros). Else by masked pointer loads, none past the tile's last
-#   token.
+#   token. Under "auto" at G = 16, on rows of at most UNION_MAX_T tokens, the forward's tiles hold 4 tokens and walk
+#   their union list instead: each block once, for the rows whose token chose it (CONFIG["fwd_union"]).
 # - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
 #   builds the reverse index (which (token, slot) pairs selected each block, tokens ascending) in O(NT*H*n) memory;
 #   each list is cut into chunks of CONFIG's chunk_rows query rows so block 0 (selected by every token) does not
@@ -47,6 +48,7 @@ KEY_WINDOW_ROWS = 2 ** 23  # key path: per-pair partial rows (token x query head
 CONFIG = {
     "fwd": dict(rows=16, union=False, num_warps=1, num_stages=2),
     "dq": dict(rows=16, union=False, num_warps=2, num_stages=3),
+    "fwd_union": dict(rows=64, union=True, num_warps=4, num_stages=3),  # "auto"'s forward at G = 16, short rows
     "dkv": dict(rows=64, chunk_rows=16384, num_warps=4, num_stages=3),
     "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by G
     "key_fwd": dict(rows=64, num_warps=4, num_stages=3),  # its chunks are key_bwd's (one reverse index)
@@ -56,6 +58,7 @@ CONFIG = {
     "key_sum": dict(rows=16, num_warps=4),  # the merge of a token's o partials and the sum of its dq partials
 }
 KEY_MAX_G = 8  # "auto" takes the key-centric path for G = HQ / H up to this, at any length (RESULTS.md)
+UNION_MAX_T = 8192  # and at G = 16 on rows of at most this many tokens, the forward in union tiles (RESULTS.md)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -545,9 +548,13 @@ def union_lists(idx, pos, BT, sel_block):
     return torch.where(lst == none, -1, lst), cnt
 
 
-def _query_launch(name, G):
-    """(M, union, launch kwargs) of the query-centric kernel CONFIG[name] ("fwd" or "dq"); a tile holds M // G
-    tokens, and union tiles need more than one."""
+def _query_launch(name, G, T):
+    """(M, union, launch kwargs) of the query-centric kernel CONFIG[name] ("fwd" or "dq"), on rows of T tokens (packed
+    var-length input: their total, a bound on each); a tile holds M // G tokens, and union tiles need more than one.
+    Under "auto" the forward at G = 16 takes CONFIG["fwd_union"] up to UNION_MAX_T tokens, where neighbouring tokens
+    share enough blocks that loading each once per tile pays."""
+    if name == "fwd" and CONFIG["path"] == "auto" and G == 16 and T <= UNION_MAX_T:
+        name = "fwd_union"
     cfg = dict(CONFIG[name])
     M = tile_m(cfg.pop("rows"), G)
     return M, cfg.pop("union") and M // G > 1, cfg
@@ -721,7 +728,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
     if key_path:
         o, lse = _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_log2)
         return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
-    M, union, cfg = _query_launch("fwd", c["G"])
+    M, union, cfg = _query_launch("fwd", c["G"], T)
     lst, cnt = union_lists(idx, pos, M // c["G"], sel_block) if union else (idx, idx)
     o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
@@ -754,7 +761,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     lse = lse2
     dq = torch.empty_like(qf)
     if not key_path:  # query-centric dq; the key-centric path gets dq from the dk/dv kernel's partials
-        M, union, cfg = _query_launch("dq", c["G"])
+        M, union, cfg = _query_launch("dq", c["G"], T)
         lst, cnt = union_lists(idx, pos, M // c["G"], sel_block) if union else (idx, idx)
         kb, vb, boxes = tma_boxes(kf, vf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BDV"]])
         _sel_bwd_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](qf, kb, vb, dof, lse, delta, dq, idx, pos, lst, cnt,

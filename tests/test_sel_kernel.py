@@ -461,6 +461,20 @@ def test_auto_rule_and_bad_path(monkeypatch):
         sel_kernel._key_path(1)
 
 
+def test_auto_union_rule(monkeypatch):
+    """Under "auto" the forward at G = 16 runs union tiles (CONFIG["fwd_union"], several tokens a tile) on rows of at
+    most UNION_MAX_T tokens; longer rows, other G, the dq and the "query" path keep one token a tile."""
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
+    T = sel_kernel.UNION_MAX_T
+    M, union, _ = sel_kernel._query_launch("fwd", 16, T)
+    assert union and M // 16 > 1
+    for name, G, t in (("fwd", 16, T + 1), ("fwd", 12, T), ("fwd", 32, T), ("dq", 16, T)):
+        M, union, _ = sel_kernel._query_launch(name, G, t)
+        assert not union and M // G == 1, (name, G, t)
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", "query")
+    assert not sel_kernel._query_launch("fwd", 16, T)[1]
+
+
 def test_dkv_entry_by_path_and_head_width(monkeypatch):
     """The dk/dv pass's CONFIG entry, which also sets the index's chunks: "dkv" on the query path, on the key path
     "key_bwd_small_d" for heads up to SMALL_D wide (Dv counts too), else "key_bwd"; the key path's forward likewise."""
