@@ -22,8 +22,9 @@ from nsa_kernels import (attention_op, gate_delta, gate_grad, gate_lse, gate_out
 #   arithmetic (a warp per token at G = 16): keys of the box past a token's position (in its own block, or past
 #   its sequence's end) are read and get probability 0, exact for finite values, as in any tiled causal kernel;
 #   an unused slot reads a box past the array's end (zeros). Else by masked pointer loads, none past the tile's last
-#   token. Under "auto" at G = 16, on rows of at most UNION_MAX_T tokens, the forward's tiles hold 4 tokens and walk
-#   their union list instead: each block once, for the rows whose token chose it (CONFIG["fwd_union"]).
+#   token. Under "auto" at G = 16 (heads up to 128 wide), on rows of at most UNION_MAX_T tokens, the forward's tiles
+#   hold 4 tokens and walk their union list instead: each block once, for the rows whose token chose it
+#   (CONFIG["fwd_union"]).
 # - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
 #   builds the reverse index (which (token, slot) pairs selected each block, tokens ascending) in O(NT*H*n) memory;
 #   each list is cut into chunks of CONFIG's chunk_rows query rows so block 0 (selected by every token) does not
@@ -548,12 +549,13 @@ def union_lists(idx, pos, BT, sel_block):
     return torch.where(lst == none, -1, lst), cnt
 
 
-def _query_launch(name, G, T):
+def _query_launch(name, G, T, width):
     """(M, union, launch kwargs) of the query-centric kernel CONFIG[name] ("fwd" or "dq"), on rows of T tokens (packed
-    var-length input: their total, a bound on each); a tile holds M // G tokens, and union tiles need more than one.
-    Under "auto" the forward at G = 16 takes CONFIG["fwd_union"] up to UNION_MAX_T tokens, where neighbouring tokens
-    share enough blocks that loading each once per tile pays."""
-    if name == "fwd" and CONFIG["path"] == "auto" and G == 16 and T <= UNION_MAX_T:
+    var-length input: their total, a bound on each) and heads width = max(D, Dv) wide; a tile holds M // G tokens,
+    and union tiles need more than one. Under "auto" the forward at G = 16 with heads up to 128 wide (the measured
+    shape) takes CONFIG["fwd_union"] up to UNION_MAX_T tokens, where neighbouring tokens share enough blocks that
+    loading each once per tile pays."""
+    if name == "fwd" and CONFIG["path"] == "auto" and G == 16 and T <= UNION_MAX_T and width <= 128:
         name = "fwd_union"
     cfg = dict(CONFIG[name])
     M = tile_m(cfg.pop("rows"), G)
@@ -728,7 +730,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
     if key_path:
         o, lse = _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_log2)
         return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
-    M, union, cfg = _query_launch("fwd", c["G"], T)
+    M, union, cfg = _query_launch("fwd", c["G"], T, max(D, DV))
     lst, cnt = union_lists(idx, pos, M // c["G"], sel_block) if union else (idx, idx)
     o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
@@ -761,7 +763,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     lse = lse2
     dq = torch.empty_like(qf)
     if not key_path:  # query-centric dq; the key-centric path gets dq from the dk/dv kernel's partials
-        M, union, cfg = _query_launch("dq", c["G"], T)
+        M, union, cfg = _query_launch("dq", c["G"], T, max(D, DV))
         lst, cnt = union_lists(idx, pos, M // c["G"], sel_block) if union else (idx, idx)
         kb, vb, boxes = tma_boxes(kf, vf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BDV"]])
         _sel_bwd_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](qf, kb, vb, dof, lse, delta, dq, idx, pos, lst, cnt,

@@ -463,16 +463,21 @@ def test_auto_rule_and_bad_path(monkeypatch):
 
 def test_auto_union_rule(monkeypatch):
     """Under "auto" the forward at G = 16 runs union tiles (CONFIG["fwd_union"], several tokens a tile) on rows of at
-    most UNION_MAX_T tokens; longer rows, other G, the dq and the "query" path keep one token a tile."""
+    most UNION_MAX_T tokens with heads up to 128 wide; longer rows, other G, wider heads, the dq and the "query" path
+    keep one token a tile. And the selection under "auto" at G = 16 on short rows matches the reference."""
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
     T = sel_kernel.UNION_MAX_T
-    M, union, _ = sel_kernel._query_launch("fwd", 16, T)
+    M, union, _ = sel_kernel._query_launch("fwd", 16, T, 128)
     assert union and M // 16 > 1
-    for name, G, t in (("fwd", 16, T + 1), ("fwd", 12, T), ("fwd", 32, T), ("dq", 16, T)):
-        M, union, _ = sel_kernel._query_launch(name, G, t)
-        assert not union and M // G == 1, (name, G, t)
+    for name, G, t, width in (("fwd", 16, T + 1, 128), ("fwd", 12, T, 128), ("fwd", 32, T, 128),
+                              ("fwd", 16, T, 192), ("dq", 16, T, 128)):
+        M, union, _ = sel_kernel._query_launch(name, G, t, width)
+        assert not union and M // G == 1, (name, G, t, width)
+    out, ref = run_both(1, 70, 32, 2, 16, 16, 3, 16, torch.float32, seed=21, gated=True)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
+        assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "query")
-    assert not sel_kernel._query_launch("fwd", 16, T)[1]
+    assert not sel_kernel._query_launch("fwd", 16, T, 128)[1]
 
 
 def test_dkv_entry_by_path_and_head_width(monkeypatch):
