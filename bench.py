@@ -391,10 +391,11 @@ def selection_paths():
             "key": {"path": "key"}}
 
 
-def tile_tokens(hq):
-    """BT: the tokens one program of the query-centric selection forward holds, CONFIG["fwd"]["rows"] query rows over
-    the G = hq / H heads of a KV head, as sel_kernel.py tiles them (nsa_kernels.tile_m)."""
-    return nsa_kernels.tile_m(sel_kernel.CONFIG["fwd"]["rows"], hq // H) // (hq // H)
+def tile_tokens(T, hq):
+    """BT: the tokens one program of the query-centric selection forward holds at T tokens and hq query heads, as
+    sel_kernel.py picks its tile under the current CONFIG (union tiles included)."""
+    M, _, _ = sel_kernel._query_launch("fwd", hq // H, T, max(D, Dv))
+    return M // (hq // H)
 
 
 def locality(idx, tile):
@@ -414,7 +415,7 @@ def locality(idx, tile):
 
 def print_locality(T, hq, idx):
     """locality(idx) for the tiles of the selection kernel at hq query heads, printed and returned."""
-    BT = tile_tokens(hq)
+    BT = tile_tokens(T, hq)
     overlap, tile_blocks = locality(idx, BT)
     print(f"locality T={T} HQ={hq}: token t+1 selects {overlap:.3f} of token t's blocks; a tile of BT={BT} tokens "
           f"(the query-centric selection forward's) selects {tile_blocks:.2f} n distinct blocks (at most {BT} n)")
