@@ -538,7 +538,8 @@ QUERY_GPU = [(G, D, DV, torch.bfloat16) for G, D, DV in ((1, 64, 64), (2, 32, 32
 KEY_GPU = [(G, D, DV, torch.bfloat16) for G, D, DV in ((1, 128, 128), (2, 64, 64), (3, 64, 32), (4, 128, 128),
                                                         (8, 64, 64), (4, 256, 192), (1, 16, 16))] + \
           [(4, 128, 128, torch.float16)]
-GPU_CASES = [("query", *c) for c in QUERY_GPU] + [("key", *c) for c in KEY_GPU]
+GPU_CASES = [("query", *c) for c in QUERY_GPU] + [("key", *c) for c in KEY_GPU] + \
+            [("auto", 16, 128, 128, torch.bfloat16)]  # "auto"'s union forward at G = 16 on short rows
 
 
 @pytest.mark.gpu
