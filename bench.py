@@ -702,7 +702,7 @@ def layer_sweep(trained):
                           ((128, 64, 8, 2), (128, 32, 4, 2), (128, 64, 4, 3), (64, 64, 4, 2))] + capped,
             entry["dkv"]: [dict(M=m, BN=n, num_warps=w, num_stages=s) for m, n, w, s in
                            ((64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 2),
-                            (64, 64, 4, 3))],
+                            (64, 64, 4, 3), (64, 32, 4, 2))],
             entry["select"]: [dict(keys_major=False, M=m, num_warps=w, num_stages=s) for m, w, s in
                               ((512, 16, 3), (512, 16, 2), (256, 8, 2), (128, 8, 2), (128, 4, 2))] +
                              [dict(keys_major=True, tokens=t, num_warps=w, num_stages=s) for t, w, s in

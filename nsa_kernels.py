@@ -47,7 +47,8 @@ CONFIG = {
     "fwd_small_d": dict(M=64, BN=64, num_warps=4, num_stages=2, maxnreg=128),
     "dq": dict(M=64, BN=64, num_warps=4, num_stages=2),
     "dq_small_d": dict(M=64, BN=64, num_warps=4, num_stages=2, maxnreg=128),
-    "dkv": dict(M=128, BN=64, num_warps=8, num_stages=2),
+    "dkv": dict(M=64, BN=64, num_warps=4, num_stages=2),
+    "dkv_few": dict(M=128, BN=64, num_warps=8, num_stages=2),  # "dkv" on grids below DKV_FEW_PROGRAMS programs
     "dkv_small_d": dict(M=64, BN=64, num_warps=4, num_stages=3),
     "select": dict(M=512, keys_major=False, num_warps=16, num_stages=3),
     "select_small_g": dict(tokens=32, keys_major=True, num_warps=4, num_stages=3),  # tokens per program, >= 64 rows
@@ -55,6 +56,7 @@ CONFIG = {
 SMALL_G = 8
 SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entries, here and in sel_kernel.py
 DKV_CHUNK = 512  # compressed dk/dv: fewest tokens per query chunk (the grid aims at >= 2048 programs)
+DKV_FEW_PROGRAMS = 256  # dk/dv grids smaller than this (two 4-warp programs per SM) take "dkv_few"
 # launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
 # keys per tile, window_keys = ring slots per window program, score_blocks = selection blocks per score program,
 # attend_blocks = selected blocks per attend program (one gathered tile), *_warps / cmp_stages = Triton options (the
@@ -940,13 +942,17 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale):
                                                                  scale, NT, **geo, **c, **launch, BOXES=boxes,
                                                                  GATED=gate is not None)
     if NK > 0 and NT > 0:
+        H = k.shape[1]
         M, launch = _launch_cfg("dkv", q, k, v)
-        c, BT = _sizes(q, k, v, M)
         rows = 1 if geo["VARLEN"] else NK // geo["SEQ_TK"]  # key tiles stay inside a row without var-length input
         q_span = NT // rows                                 # the tokens a key's queries lie in
         key_tiles = rows * triton.cdiv(NK // rows, launch["BN"])
         # compressed keys are few (T / d): chunks of at least DKV_CHUNK tokens, so the grid aims at 2048 programs
-        n_chunks = 1 if geo["KIND"] == 1 else min(triton.cdiv(q_span, DKV_CHUNK), triton.cdiv(2048, key_tiles * c["H"]))
+        n_chunks = 1 if geo["KIND"] == 1 else min(triton.cdiv(q_span, DKV_CHUNK), triton.cdiv(2048, key_tiles * H))
+        width = max(q.shape[2], v.shape[2])
+        if key_tiles * n_chunks * H < DKV_FEW_PROGRAMS and launch_entry("dkv", HQ // H, width) == "dkv":
+            M, launch = _launch_cfg("dkv_few", q, k, v)     # (the same BN: the grid stays)
+        c, BT = _sizes(q, k, v, M)
         qch = triton.cdiv(triton.cdiv(q_span, n_chunks), BT) * BT
         nqc = triton.cdiv(q_span, qch)
         dk_p, dv_p = (dk, dv) if nqc == 1 else (k.new_empty(nqc, *k.shape, dtype=torch.float32),

@@ -200,6 +200,21 @@ def test_small_tiles_masked_and_unmasked_steps(monkeypatch, loads):
     check(out, ref, 1e-5, WIN_NAMES)
 
 
+@pytest.mark.parametrize("few", [0, 10 ** 9], ids=["dkv", "dkv_few"])
+def test_dkv_entry_by_grid_size(monkeypatch, few):
+    """Heads wider than SMALL_D: the range dk/dv launches with "dkv" on grids of at least DKV_FEW_PROGRAMS programs
+    and with "dkv_few" (other tile rows and warps) below; both match the reference."""
+    monkeypatch.setattr(nk, "DKV_FEW_PROGRAMS", few)
+    names, launch_cfg = [], nk._launch_cfg
+    monkeypatch.setattr(nk, "_launch_cfg", lambda name, *a: names.append(name) or launch_cfg(name, *a))
+    D = nk.SMALL_D + 16
+    out, ref = run_cmp(1, 150, 4, 2, D, D, 8, 4, torch.float32, seed=15)
+    check(out, ref, 1e-5, CMP_NAMES)
+    out, ref = run_win(1, 150, 4, 2, D, D, 48, torch.float32, seed=15)
+    check(out, ref, 1e-5, WIN_NAMES)
+    assert names.count("dkv") == 2 and names.count("dkv_few") == (2 if few else 0)
+
+
 def test_launch_entry_by_width_then_group():
     """Heads up to SMALL_D wide take a kernel's *_small_d entry where CONFIG has one, else groups below SMALL_G its
     *_small_g entry where it has one, else the kernel's own entry; and the range kernels launch with it."""
@@ -414,12 +429,14 @@ def test_module_compile_fullgraph(varlen):
 # ----------------------------------------------------------------------------------------------------------------
 # GPU (run on the device; skipped without CUDA): bf16 against an fp32 reference, relative RMSE <= 1e-2
 
-GPU_SHAPES = [(G, D) for G in (1, 4, 16) for D in (64, 128)] + [(3, 128), (8, 192)]
+GPU_SHAPES = [(G, D) for G in (1, 4, 16) for D in (64, 128)] + [(3, 128), (8, 192), (16, 256)]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("few", [10 ** 9, 0], ids=["dkv_few", "dkv"])   # these grids are small: both dk/dv entries
 @pytest.mark.parametrize("G,D", GPU_SHAPES, ids=[f"G{G}-D{D}" for G, D in GPU_SHAPES])
-def test_compressed_and_window_gpu(G, D):
+def test_compressed_and_window_gpu(G, D, few, monkeypatch):
+    monkeypatch.setattr(nk, "DKV_FEW_PROGRAMS", few)
     out, ref = run_cmp(1, 3000, 2 * G, 2, D, D, 32, 16, torch.bfloat16, device="cuda", seed=G + D)
     check(out, ref, 1e-2, CMP_NAMES)
     out, ref = run_win(1, 3000, 2 * G, 2, D, D, 512, torch.bfloat16, device="cuda", seed=G + D)
