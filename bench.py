@@ -384,10 +384,12 @@ def ref(q, k, v, idx):
 
 def selection_paths():
     """The selection kernel's paths as overrides of sel_kernel.CONFIG: query-centric tiles (each token loads its own
-    blocks), the same tiles with union=True (a block several tokens of a tile chose is loaded once for them), and
-    the key-centric forward."""
+    blocks), union tiles of the rows of CONFIG["fwd_union"] in the forward and the dq (a block several tokens of a
+    tile chose is loaded once for them; 4 tokens at G = 16, where the default tile holds one), and the key-centric
+    forward."""
+    rows = sel_kernel.CONFIG["fwd_union"]["rows"]
     return {"query": {"path": "query", "fwd": {"union": False}, "dq": {"union": False}},
-            "query union": {"path": "query", "fwd": {"union": True}, "dq": {"union": True}},
+            "query union": {"path": "query", "fwd": sel_kernel.CONFIG["fwd_union"], "dq": {"union": True, "rows": rows}},
             "key": {"path": "key"}}
 
 
