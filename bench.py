@@ -387,9 +387,9 @@ def selection_paths():
     blocks), union tiles of the rows of CONFIG["fwd_union"] in the forward and the dq (a block several tokens of a
     tile chose is loaded once for them; 4 tokens at G = 16, where the default tile holds one), and the key-centric
     forward."""
-    rows = sel_kernel.CONFIG["fwd_union"]["rows"]
+    union = sel_kernel.CONFIG["fwd_union"]
     return {"query": {"path": "query", "fwd": {"union": False}, "dq": {"union": False}},
-            "query union": {"path": "query", "fwd": sel_kernel.CONFIG["fwd_union"], "dq": {"union": True, "rows": rows}},
+            "query union": {"path": "query", "fwd": union, "dq": {"union": True, "rows": union["rows"]}},
             "key": {"path": "key"}}
 
 

@@ -56,7 +56,7 @@ CONFIG = {
 SMALL_G = 8
 SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entries, here and in sel_kernel.py
 DKV_CHUNK = 512  # compressed dk/dv: fewest tokens per query chunk (the grid aims at >= 2048 programs)
-DKV_FEW_PROGRAMS = 256  # dk/dv grids smaller than this (two 4-warp programs per SM) take "dkv_few"
+DKV_FEW_PROGRAMS = 256  # range dk/dv grids below this (about two 4-warp programs per H100 SM) take "dkv_few"
 # launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
 # keys per tile, window_keys = ring slots per window program, score_blocks = selection blocks per score program,
 # attend_blocks = selected blocks per attend program (one gathered tile), *_warps / cmp_stages = Triton options (the
