@@ -55,7 +55,7 @@ CONFIG = {
 }
 SMALL_G = 8
 SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entries, here and in sel_kernel.py
-DKV_CHUNK = 512  # compressed dk/dv: fewest tokens per query chunk (the grid aims at >= 2048 programs)
+DKV_CHUNK = 256  # compressed dk/dv: fewest tokens per query chunk (the grid aims at >= 2048 programs)
 DKV_FEW_PROGRAMS = 256  # range dk/dv grids below this (about two 4-warp programs per H100 SM) take "dkv_few"
 # launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
 # keys per tile, window_keys = ring slots per window program, score_blocks = selection blocks per score program,
@@ -557,7 +557,8 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
                    D: tl.constexpr, BD: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LS: tl.constexpr,
                    NS: tl.constexpr, NP: tl.constexpr, BKC: tl.constexpr, N_INIT: tl.constexpr,
                    N_LOCAL: tl.constexpr, LOG_NP: tl.constexpr, N_DIMS: tl.constexpr, KEYS_MAJOR: tl.constexpr):
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    # later tokens score more chunks: the last tiles launch first, so the short ones fill the end of the grid
+    i_t, i_h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
     M: tl.constexpr = BT * BG
     CPS: tl.constexpr = LS // DS                          # compressed blocks starting in one selection block
     o_b, o_c, o_j = tl.arange(0, BT), tl.arange(0, BKC), tl.arange(0, NP)

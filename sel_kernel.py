@@ -58,6 +58,7 @@ CONFIG = {
     "key_bwd_small_d": dict(rows=64, chunk_rows=2048, num_warps=4, num_stages=3),  # heads <= SMALL_D (nsa_kernels)
     "key_sum": dict(rows=16, num_warps=4),  # the merge of a token's o partials and the sum of its dq partials
 }
+DKV_CHUNKS = 1024  # the query path's reverse index aims at this many chunks at least (see _plan)
 KEY_MAX_G = 8  # "auto" takes the key-centric path for G = HQ / H up to this, at any length (RESULTS.md)
 UNION_MAX_T = 8192  # and at G = 16 on rows of at most this many tokens, the forward in union tiles (RESULTS.md)
 
@@ -627,9 +628,10 @@ def _plan(NT, HQ, H, NS, D, DV, sel_block):
     c = _sizes(HQ, H, D, DV, sel_block)
     key_path = _key_path(c["G"])
     cfg = CONFIG[_dkv_entry(key_path, c["G"], D, DV)]
+    if not key_path:  # fewer pairs: shorter chunks (down to a quarter), so that the dk/dv grid still fills the GPU
+        rows = min(cfg["chunk_rows"], max(cfg["chunk_rows"] // 4, triton.next_power_of_2(NT * HQ * NS // DKV_CHUNKS)))
+        return False, max(NT, 1), 0, _chunk_pairs(cfg["rows"], rows, c["G"])
     chunk = _chunk_pairs(cfg["rows"], cfg["chunk_rows"], c["G"])
-    if not key_path:
-        return False, max(NT, 1), 0, chunk
     rows_per_token = HQ * NS * _key_tiles(c, sel_block)[1]
     W = max(1, KEY_WINDOW_ROWS // max(1, rows_per_token))
     return True, W, min(W, NT) * rows_per_token, chunk

@@ -495,6 +495,17 @@ def test_dkv_entry_by_path_and_head_width(monkeypatch):
     assert sel_kernel._plan(100, 4, 2, 3, d, d, 16)[3] == 64 and sel_kernel._plan(100, 4, 2, 3, 2 * d, d, 16)[3] == 32
 
 
+def test_query_path_chunks_shrink_for_few_pairs():
+    """The query path cuts its reverse index into chunks of "dkv"'s chunk_rows query rows on long inputs; on shorter
+    ones into shorter chunks, down to a quarter, so that the dk/dv grid keeps about DKV_CHUNKS programs."""
+    rows = sel_kernel.CONFIG["dkv"]["chunk_rows"]
+    chunk_rows = lambda T: sel_kernel._plan(T, 64, 4, 16, 128, 128, 64)[3] * 16   # G = 16: pairs -> query rows
+    full = rows * sel_kernel.DKV_CHUNKS // (64 * 16)                                # tokens that fill the grid
+    assert chunk_rows(4 * full) == chunk_rows(full) == rows
+    assert chunk_rows(full // 2) == rows // 2
+    assert chunk_rows(full // 4) == chunk_rows(full // 64) == rows // 4
+
+
 def _compiled_loss(q, k, v, idx, l, backend):
     f = torch.compile(lambda q, k, v: (sel_kernel.selection_attention_triton(q, k, v, idx, l).float() ** 2).sum(),
                       fullgraph=True, backend=backend)
