@@ -55,7 +55,8 @@ CONFIG = {
 }
 SMALL_G = 8
 SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entries, here and in sel_kernel.py
-DKV_CHUNK = 256  # compressed dk/dv: fewest tokens per query chunk (the grid aims at >= 2048 programs)
+DKV_CHUNK = 256  # compressed dk/dv: fewest tokens per query chunk, and the grid aims at DKV_PROGRAMS programs
+DKV_PROGRAMS = 2048
 DKV_FEW_PROGRAMS = 256  # range dk/dv grids below this (about two 4-warp programs per H100 SM) take "dkv_few"
 # launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
 # keys per tile, window_keys = ring slots per window program, score_blocks = selection blocks per score program,
@@ -948,8 +949,9 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale):
         rows = 1 if geo["VARLEN"] else NK // geo["SEQ_TK"]  # key tiles stay inside a row without var-length input
         q_span = NT // rows                                 # the tokens a key's queries lie in
         key_tiles = rows * triton.cdiv(NK // rows, launch["BN"])
-        # compressed keys are few (T / d): chunks of at least DKV_CHUNK tokens, so the grid aims at 2048 programs
-        n_chunks = 1 if geo["KIND"] == 1 else min(triton.cdiv(q_span, DKV_CHUNK), triton.cdiv(2048, key_tiles * H))
+        # compressed keys are few (T / d): chunks of at least DKV_CHUNK tokens, so the grid aims at DKV_PROGRAMS
+        n_chunks = 1 if geo["KIND"] == 1 else min(triton.cdiv(q_span, DKV_CHUNK),
+                                                  triton.cdiv(DKV_PROGRAMS, key_tiles * H))
         width = max(q.shape[2], v.shape[2])
         if key_tiles * n_chunks * H < DKV_FEW_PROGRAMS and launch_entry("dkv", HQ // H, width) == "dkv":
             M, launch = _launch_cfg("dkv_few", q, k, v)     # (the same BN: the grid stays)
