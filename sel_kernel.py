@@ -27,9 +27,9 @@ from nsa_kernels import (attention_op, gate_delta, gate_grad, gate_lse, gate_out
 #   (CONFIG["fwd_union"]).
 # - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
 #   builds the reverse index (which (token, slot) pairs selected each block, tokens ascending) in O(NT*H*n) memory;
-#   each list is cut into chunks of CONFIG's chunk_rows query rows so block 0 (selected by every token) does not
-#   serialise the launch; each chunk writes an fp32 partial dK/dV tile and a reduction kernel adds a block's
-#   partials in chunk order. No atomics.
+#   each list is cut into chunks of CONFIG's chunk_rows query rows (shorter on short inputs, so the grid fills the
+#   GPU) so block 0 (selected by every token) does not serialise the launch; each chunk writes an fp32 partial
+#   dK/dV tile and a reduction kernel adds a block's partials in chunk order. No atomics.
 # - CONFIG["path"] = "key" (or "auto" at small G): a key-centric forward instead (its own section), whose backward is
 #   the dk/dv kernel writing dq partials too (no query-centric dq pass). Its per-pair partials are held for one token
 #   window at a time (KEY_WINDOW_ROWS): each window gets the reverse index of its own pairs, and dk/dv add up over
@@ -624,7 +624,8 @@ def _plan(NT, HQ, H, NS, D, DV, sel_block):
     """How a call of these sizes runs: whether it takes the key path; the tokens W of each window of its dk/dv pass
     (and of the key path's forward), so that a window holds at most KEY_WINDOW_ROWS per-pair partial rows (one window
     on the query path, which has none); the partial rows of a full window; and the reverse index's chunk (pairs per
-    chunk: about chunk_rows query rows of the dk/dv pass's CONFIG entry, in whole tiles)."""
+    chunk: about chunk_rows query rows of the dk/dv pass's CONFIG entry, fewer on the query path where pairs are
+    few; in whole tiles)."""
     c = _sizes(HQ, H, D, DV, sel_block)
     key_path = _key_path(c["G"])
     cfg = CONFIG[_dkv_entry(key_path, c["G"], D, DV)]
