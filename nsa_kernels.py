@@ -530,7 +530,7 @@ def _compare_swap(x, flip, i: tl.constexpr, N_DIMS: tl.constexpr):
 
 
 @triton.jit
-def _sort_rows(x, DESC: tl.constexpr, LOG_N: tl.constexpr, N_DIMS: tl.constexpr, MERGE_ONLY: tl.constexpr = 0):
+def sort_rows(x, DESC: tl.constexpr, LOG_N: tl.constexpr, N_DIMS: tl.constexpr, MERGE_ONLY: tl.constexpr = 0):
     """Bitonic sort of each row of x [R, 2**LOG_N] (x.numel == 2**N_DIMS); tl.sort's network with the partner taken
     by a sum instead of an xor-reduce (which the interpreter runs element by element). MERGE_ONLY: the rows are
     already bitonic, so only the last merge stage runs (LOG_N compare-swaps instead of LOG_N (LOG_N + 1) / 2)."""
@@ -639,12 +639,12 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
             b_sc = tl.where(forced, float("inf"), b_sc)
             # scores are >= 0, so their bits order like the floats; the low word makes ties go to the lower j
             key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-jj + INT_MAX).to(tl.int64)[None, :]
-            key = _sort_rows(tl.where(cand, key, -1), DESC=0, LOG_N=LOG_NP, N_DIMS=N_DIMS)     # ascending
-            top = _sort_rows(tl.maximum(top, key), DESC=1, LOG_N=LOG_NP, N_DIMS=N_DIMS, MERGE_ONLY=1)
+            key = sort_rows(tl.where(cand, key, -1), DESC=0, LOG_N=LOG_NP, N_DIMS=N_DIMS)      # ascending
+            top = sort_rows(tl.maximum(top, key), DESC=1, LOG_N=LOG_NP, N_DIMS=N_DIMS, MERGE_ONLY=1)
     o_s = tl.arange(0, NP)
     valid = (o_s[None, :] < NS) & (top >= 0)
     j = tl.where(valid, (-(top & INT_MAX) + INT_MAX).to(tl.int32), INT_MAX)
-    j = _sort_rows(j, 0, LOG_NP, N_DIMS)                                                  # ascending, padding last
+    j = sort_rows(j, 0, LOG_NP, N_DIMS)                                                   # ascending, padding last
     j = tl.where(j == INT_MAX, -1, j)
     tl.store(idx + (t_b.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :], j,
              mask=m_b[:, None] & (o_s < NS)[None, :])

@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_kernels import (attention_op, gate_delta, gate_grad, gate_lse, gate_out, group_rows, head_sizes,
+from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse, gate_out, group_rows, head_sizes,
                          key_tile, launch_entry, load_rows, pack, pack_gate, sequences, softmax_finish,
-                         softmax_rescale, softmax_step, store_rows, tile_m, tile_rows, tma_boxes)
+                         softmax_rescale, softmax_step, sort_rows, store_rows, tile_m, tile_rows, tma_boxes)
 
 # Layout of the work (NT = all packed tokens, H kv heads, G = HQ / H query heads per kv head, l' = sel_block, n slots):
 # - forward and dq: query-centric. One program = BT = M // G consecutive tokens x the G heads of one kv group (an
@@ -437,6 +437,27 @@ def _clean_kernel(idx, out, key, pos, seq, NR, NB, H: tl.constexpr, NS: tl.const
 
 
 @triton.jit
+def _union_kernel(idx, pos, lst, cnt, NT, H: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                  BE: tl.constexpr, LOG_BE: tl.constexpr):
+    """One tile of BT tokens and kv head: the first packed tokens of the distinct blocks its tokens selected,
+    ascending, then -1 (its row of lst, BT * NS long), and how many (cnt). Entry e is token e // NS's slot e % NS;
+    every pair of entries is compared (the tiles hold a few tokens), then one sort."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    e = tl.arange(0, BE)
+    t = i_t * BT + e // NS                                                  # [BE] tokens
+    m = (e < BT * NS) & (t < NT)
+    j = tl.load(idx + (t.to(tl.int64) * H + i_h) * NS + e % NS, mask=m, other=-1)
+    start = tl.where(j >= 0, t - tl.load(pos + t, mask=m, other=0) + j * BS, INT_MAX)   # [BE] sequence start + j l'
+    earlier = (start[:, None] == start[None, :]) & (e[:, None] > e[None, :])          # [BE, BE]
+    start = tl.where(tl.max(earlier.to(tl.int32), 1) == 0, start, INT_MAX)            # a repeat counts once
+    start = tl.reshape(sort_rows(tl.reshape(start.to(tl.int64), [1, BE]), 0, LOG_BE, LOG_BE), [BE])  # ascending
+    row = i_t * H + i_h
+    tl.store(lst + row.to(tl.int64) * (BT * NS) + e, tl.where(start == INT_MAX, -1, start).to(tl.int32),
+             mask=e < BT * NS)
+    tl.store(cnt + row, tl.sum((start != INT_MAX).to(tl.int32), 0))
+
+
+@triton.jit
 def _search(arr, n, x, steps, RIGHT: tl.constexpr):
     """For each x: the first i in [0, n) with arr[i] >= x (RIGHT: > x) in the ascending arr, n if none."""
     lo = tl.zeros(x.shape, tl.int64)
@@ -536,18 +557,16 @@ def _key_path(G):
 def union_lists(idx, pos, BT, sel_block):
     """Per tile of BT tokens and kv head, the distinct blocks its tokens selected, each once, for the union tiles:
     lst (tiles * H, BT * n) int32, their first packed tokens (sequence start + id * l') ascending, then -1; and cnt
-    (tiles * H,) int32, how many. idx (NT, H, n) cleaned ids, pos (NT,) int32 positions. Two sorts; no host sync."""
+    (tiles * H,) int32, how many. idx (NT, H, n) ids, pos (NT,) int32 positions. One kernel; no host sync."""
     NT, H, NS = idx.shape
     tiles = triton.cdiv(NT, BT)
-    none = torch.iinfo(torch.int32).max
-    start = (torch.arange(NT, device=idx.device, dtype=torch.int32) - pos)[:, None, None] + idx * sel_block
-    start = torch.where(idx >= 0, start, none)                                         # (NT, H, n)
-    start = torch.cat([start, start.new_full((tiles * BT - NT, H, NS), none)])         # whole tiles
-    lst = start.view(tiles, BT, H, NS).transpose(1, 2).reshape(tiles * H, BT * NS).sort(-1).values
-    lst[:, 1:] = torch.where(lst[:, 1:] == lst[:, :-1], none, lst[:, 1:])             # repeats -> none, then last
-    lst = lst.sort(-1).values
-    cnt = (lst != none).sum(-1, dtype=torch.int32)
-    return torch.where(lst == none, -1, lst), cnt
+    lst = torch.empty(tiles * H, BT * NS, device=idx.device, dtype=torch.int32)
+    cnt = torch.empty(tiles * H, device=idx.device, dtype=torch.int32)
+    if tiles:
+        BE = triton.next_power_of_2(BT * NS)
+        _union_kernel[(tiles, H)](idx, pos, lst, cnt, NT, H=H, NS=NS, BT=BT, BS=sel_block, BE=BE,
+                                  LOG_BE=BE.bit_length() - 1)
+    return lst, cnt
 
 
 def _query_launch(name, G, T, width):
