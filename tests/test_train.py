@@ -71,7 +71,7 @@ def train(data_dir, out_dir, *args, nproc=1, expect_rc=0, faults=None, file_limi
         launcher += ["-c", FAULTS, json.dumps(faults)]
     cmd = launcher + ["train.py", "config/cpu_smoke.py", f"--data_dir={data_dir}", f"--out_dir={out_dir}", *COMMON,
                       *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")  # an abort prints each thread's Python stack
     limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, resource.RLIM_INFINITY))  # noqa: E731
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
                        preexec_fn=limit if file_limit else None)
