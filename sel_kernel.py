@@ -557,7 +557,7 @@ def _key_path(G):
 def union_lists(idx, pos, BT, sel_block):
     """Per tile of BT tokens and kv head, the distinct blocks its tokens selected, each once, for the union tiles:
     lst (tiles * H, BT * n) int32, their first packed tokens (sequence start + id * l') ascending, then -1; and cnt
-    (tiles * H,) int32, how many. idx (NT, H, n) ids, pos (NT,) int32 positions. One kernel; no host sync."""
+    (tiles * H,) int32, how many. idx (NT, H, n) cleaned ids, pos (NT,) int32 positions. One kernel; no host sync."""
     NT, H, NS = idx.shape
     tiles = triton.cdiv(NT, BT)
     lst = torch.empty(tiles * H, BT * NS, device=idx.device, dtype=torch.int32)
