@@ -168,19 +168,28 @@ def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, lst, cnt, scale_log2, NT,
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# backward: delta = rowsum(o * do), then dq (query path; the key path's dq partials come from the dk/dv kernel), then
-# dk/dv (block-centric partials + ordered reduction)
+# backward: dq with delta = rowsum(o * do) (query path; the key path has a delta kernel, and its dq partials come from
+# the dk/dv kernel), then dk/dv (block-centric partials + ordered reduction)
+
+@triton.jit
+def _row_stats(o, b_do, lse, delta, lse2, gate, rows, m, DV: tl.constexpr, BDV: tl.constexpr, GATED: tl.constexpr):
+    """delta = rowsum(o_branch * do) and the lse the backward kernels read (gate_lse: gated, base 2) of rows [M]
+    (b_do [M, BDV] their do), stored for the dk/dv kernel and returned."""
+    b_o = load_rows(o, rows, m, DV, BDV).to(tl.float32)                    # [M, BDV]
+    b_delta = gate_delta(tl.sum(b_o * b_do.to(tl.float32), 1), gate, rows, m, GATED)
+    b_lse = gate_lse(tl.load(lse + rows, mask=m, other=0.), gate, rows, m, GATED)
+    tl.store(delta + rows, b_delta, mask=m)
+    tl.store(lse2 + rows, b_lse, mask=m)
+    return b_delta, b_lse
+
 
 @triton.jit
 def _sel_bwd_delta_kernel(o, do, lse, delta, lse2, gate, NR, DV: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr,
                           GATED: tl.constexpr):
-    """delta = rowsum(o_branch * do) and the lse the other backward kernels read (gate_lse: gated, base 2)."""
+    """_row_stats of every row, for the key path (the query path's dq kernel computes its own)."""
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     m_r = o_r < NR
-    b_o = load_rows(o, o_r, m_r, DV, BDV).to(tl.float32)                   # [BR, BDV]
-    b_do = load_rows(do, o_r, m_r, DV, BDV).to(tl.float32)
-    tl.store(delta + o_r, gate_delta(tl.sum(b_o * b_do, 1), gate, o_r, m_r, GATED), mask=m_r)
-    tl.store(lse2 + o_r, gate_lse(tl.load(lse + o_r, mask=m_r, other=0.), gate, o_r, m_r, GATED), mask=m_r)
+    _row_stats(o, load_rows(do, o_r, m_r, DV, BDV), lse, delta, lse2, gate, o_r, m_r, DV, BDV, GATED)
 
 
 @triton.jit
@@ -199,18 +208,18 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_m
 
 
 @triton.jit
-def _sel_bwd_dq_kernel(q, k, v, do, lse, delta, dq, idx, pos, lst, cnt, scale_log2, scale, NT,
+def _sel_bwd_dq_kernel(q, k, v, o, do, lse, lse2, delta, dq, gate, idx, pos, lst, cnt, scale_log2, scale, NT,
                        H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr,
-                       BOXES: tl.constexpr):
-    """dq of tile i_t of BT tokens x the G heads of kv head i_h, walking the blocks as the forward does."""
+                       BOXES: tl.constexpr, GATED: tl.constexpr):
+    """dq of tile i_t of BT tokens x the G heads of kv head i_h, walking the blocks as the forward does; first its
+    rows' delta and lse for the dk/dv kernel (_row_stats)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     BT: tl.constexpr = M // G
     p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, M, D, BD, NS, BNS)
     b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                        # [M, BDV]
-    b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.)                 # [M]
-    b_delta = tl.load(delta + t_off + hq_r, mask=m_r, other=0.)             # [M]
+    b_delta, b_lse = _row_stats(o, b_do, lse, delta, lse2, gate, t_off + hq_r, m_r, DV, BDV, GATED)  # [M] each
     b_dq = tl.zeros([M, BD], tl.float32)
     if UNION:
         b_start = tl.where(b_idx >= 0, bos_r[:, None] + b_idx * BS, -1)                   # [M, BNS]
@@ -780,18 +789,19 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     gf = pack_gate(gate)
     delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)    # dgate too, with a gate
     lse2 = torch.empty_like(delta)                                        # lse as the kernels below read it
-    _sel_bwd_delta_kernel[(triton.cdiv(NT * HQ, 32),)](of, dof, lse.reshape(NT, HQ), delta, lse2, gf,
-                                                       NT * HQ, DV=DV, BDV=c["BDV"], BR=32, GATED=gf is not None)
-    lse = lse2
     dq = torch.empty_like(qf)
-    if not key_path:  # query-centric dq; the key-centric path gets dq from the dk/dv kernel's partials
+    if key_path:  # the key-centric path gets dq from the dk/dv kernel's partials
+        _sel_bwd_delta_kernel[(triton.cdiv(NT * HQ, 32),)](of, dof, lse.reshape(NT, HQ), delta, lse2, gf,
+                                                           NT * HQ, DV=DV, BDV=c["BDV"], BR=32, GATED=gf is not None)
+    else:  # query-centric dq, which writes delta and lse2 too
         M, union, cfg = _query_launch("dq", c["G"], T, max(D, DV))
         lst, cnt = union_lists(idx, pos, M // c["G"], sel_block) if union else (idx, idx)
         kb, vb, boxes = tma_boxes(kf, vf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BDV"]])
-        _sel_bwd_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](qf, kb, vb, dof, lse, delta, dq, idx, pos, lst, cnt,
-                                                              scale_log2, scale, NT, M=M, NS=NS,
-                                                              BNS=triton.next_power_of_2(NS), UNION=union,
-                                                              BOXES=boxes, **c, **cfg)
+        _sel_bwd_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](qf, kb, vb, of, dof, lse.reshape(NT, HQ), lse2, delta,
+                                                              dq, gf, idx, pos, lst, cnt, scale_log2, scale, NT, M=M,
+                                                              NS=NS, BNS=triton.next_power_of_2(NS), UNION=union,
+                                                              BOXES=boxes, GATED=gf is not None, **c, **cfg)
+    lse = lse2
     cfg = dict(CONFIG[_dkv_entry(key_path, c["G"], D, DV)])
     cfg.pop("chunk_rows")                                                      # in the index
     c_kv, NKC = _key_tiles(c, sel_block)
