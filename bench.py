@@ -419,8 +419,9 @@ def print_locality(T, hq, idx):
     """locality(idx) for the tiles of the selection kernel at hq query heads, printed and returned."""
     BT = tile_tokens(T, hq)
     overlap, tile_blocks = locality(idx, BT)
-    print(f"locality T={T} HQ={hq}: token t+1 selects {overlap:.3f} of token t's blocks; a tile of BT={BT} tokens "
-          f"(the query-centric selection forward's) selects {tile_blocks:.2f} n distinct blocks (at most {BT} n)")
+    print(f"locality T={T} HQ={hq}: token t+1 selects {overlap:.3f} of token t's blocks; BT={BT} consecutive tokens "
+          f"(the query-centric selection's tile size; its union tiles group tokens by shared blocks instead) select "
+          f"{tile_blocks:.2f} n distinct blocks (at most {BT} n)")
     return overlap, tile_blocks
 
 

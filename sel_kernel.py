@@ -22,9 +22,10 @@ from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse,
 #   arithmetic (a warp per token at G = 16): keys of the box past a token's position (in its own block, or past
 #   its sequence's end) are read and get probability 0, exact for finite values, as in any tiled causal kernel;
 #   an unused slot reads a box past the array's end (zeros). Else by masked pointer loads, none past the tile's last
-#   token. Under "auto" at G = 16 (heads up to 128 wide), on rows of at most UNION_MAX_T tokens, the forward's tiles
-#   hold 4 tokens and walk their union list instead: each block once, for the rows whose token chose it
-#   (CONFIG["fwd_union"]).
+#   token. Under "auto" at G = 16 (heads up to 128 wide), on rows of at most UNION_MAX_T tokens, the forward's and
+#   dq's tiles hold 4 tokens and walk their union list instead: each block once, for the rows whose token chose it
+#   (CONFIG["fwd_union"], ["dq_union"]). A union tile costs about the length of its list, so its tokens are not
+#   neighbours but are grouped by the blocks they share, inside spans of GROUP_TILES tiles (_group_kernel).
 # - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
 #   builds the reverse index (which (token, slot) pairs selected each block, tokens ascending) in O(NT*H*n) memory;
 #   each list is cut into chunks of CONFIG's chunk_rows query rows (shorter on short inputs, so the grid fills the
@@ -50,6 +51,7 @@ CONFIG = {
     "fwd": dict(rows=16, union=False, num_warps=1, num_stages=2),
     "dq": dict(rows=16, union=False, num_warps=2, num_stages=3),
     "fwd_union": dict(rows=64, union=True, num_warps=4, num_stages=3),  # "auto"'s forward at G = 16, short rows
+    "dq_union": dict(rows=64, union=True, num_warps=4, num_stages=2),  # and its dq
     "dkv": dict(rows=64, chunk_rows=16384, num_warps=4, num_stages=3),
     "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by G
     "key_fwd": dict(rows=64, num_warps=4, num_stages=3),  # its chunks are key_bwd's (one reverse index)
@@ -60,7 +62,8 @@ CONFIG = {
 }
 DKV_CHUNKS = 1024  # the query path's reverse index aims at this many chunks at least (see _plan)
 KEY_MAX_G = 8  # "auto" takes the key-centric path for G = HQ / H up to this, at any length (RESULTS.md)
-UNION_MAX_T = 8192  # and at G = 16 on rows of at most this many tokens, the forward in union tiles (RESULTS.md)
+UNION_MAX_T = 8192  # and at G = 16 on rows of at most this many tokens, the forward and dq in union tiles (RESULTS.md)
+GROUP_TILES = 16  # union tiles: their tokens are grouped by shared blocks inside spans of this many tiles
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -83,7 +86,7 @@ def _slot_rows(idx, pos, p_r, m_r, f, i_t, i_h, NT, H: tl.constexpr, BT: tl.cons
 
 @triton.jit
 def _union_rows(lst, b_start, m_r, t_r, f, i_t, i_h, H: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr):
-    """Entry f of the tile's union list (union_lists): the packed start token u0 of a block, the rows whose token
+    """Entry f of the tile's union list (union_tiles): the packed start token u0 of a block, the rows whose token
     selected it (b_start [M, BNS]: each row's selected blocks as packed starts, -1 for none), their positions
     relative to u0 and the largest of them."""
     u0 = tl.load(lst + (i_t * H + i_h).to(tl.int64) * (BT * NS) + f)
@@ -93,12 +96,15 @@ def _union_rows(lst, b_start, m_r, t_r, f, i_t, i_h, H: tl.constexpr, BT: tl.con
 
 
 @triton.jit
-def _query_tile(q, idx, pos, i_t, i_h, NT, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
-                D: tl.constexpr, BD: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr):
+def _query_tile(q, idx, pos, order, i_t, i_h, NT, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
+                D: tl.constexpr, BD: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
     """Tile i_t of M // G tokens x the G heads of kv head i_h: each row's token inside the tile, row mask, token
-    offset and head (tile_rows), position and sequence start, the Q tile [M, BD] and the tokens' block ids [M, BNS]."""
+    offset and head (tile_rows), position and sequence start, the Q tile [M, BD] and the tokens' block ids [M, BNS].
+    Tile i_t holds tokens i_t * M // G onwards, or (UNION) those at these places of order[i_h] (union_tiles)."""
     p_r, g_r, m_g = group_rows(M, G)                      # [M] token of each row inside the tile, head in the group
-    t_r = i_t * (M // G) + p_r                            # [M] global token
+    t_r = i_t * (M // G) + p_r                            # [M] global token (UNION: its place in order)
+    if UNION:
+        t_r = tl.load(order + i_h.to(tl.int64) * NT + t_r, mask=m_g & (t_r < NT), other=NT)
     m_t = m_g & (t_r < NT)
     m_r, t_off, hq_r = tile_rows(t_r, g_r, m_t, i_h, H, G)
     rel_r = tl.load(pos + t_r, mask=m_t, other=0)                          # [M] positions inside the sequences
@@ -138,7 +144,7 @@ def _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_lo
 
 
 @triton.jit
-def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, lst, cnt, scale_log2, NT,
+def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, order, lst, cnt, scale_log2, NT,
                     H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                     BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr,
@@ -147,7 +153,8 @@ def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, lst, cnt, scale_log2, NT,
     selected blocks: slot by slot, or (UNION) each block of the tile's union list once for all its rows."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     BT: tl.constexpr = M // G
-    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, M, D, BD, NS, BNS)
+    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, order, i_t, i_h, NT, H, G, M, D, BD,
+                                                                  NS, BNS, UNION)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BDV], tl.float32)
@@ -208,8 +215,8 @@ def _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_m
 
 
 @triton.jit
-def _sel_bwd_dq_kernel(q, k, v, o, do, lse, lse2, delta, dq, gate, idx, pos, lst, cnt, scale_log2, scale, NT,
-                       H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
+def _sel_bwd_dq_kernel(q, k, v, o, do, lse, lse2, delta, dq, gate, idx, pos, order, lst, cnt, scale_log2, scale,
+                       NT, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr,
                        BOXES: tl.constexpr, GATED: tl.constexpr):
@@ -217,7 +224,8 @@ def _sel_bwd_dq_kernel(q, k, v, o, do, lse, lse2, delta, dq, gate, idx, pos, lst
     rows' delta and lse for the dk/dv kernel (_row_stats)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     BT: tl.constexpr = M // G
-    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, i_t, i_h, NT, H, G, M, D, BD, NS, BNS)
+    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, order, i_t, i_h, NT, H, G, M, D, BD,
+                                                                  NS, BNS, UNION)
     b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                        # [M, BDV]
     b_delta, b_lse = _row_stats(o, b_do, lse, delta, lse2, gate, t_off + hq_r, m_r, DV, BDV, GATED)  # [M] each
     b_dq = tl.zeros([M, BD], tl.float32)
@@ -446,15 +454,47 @@ def _clean_kernel(idx, out, key, pos, seq, NR, NB, H: tl.constexpr, NS: tl.const
 
 
 @triton.jit
-def _union_kernel(idx, pos, lst, cnt, NT, H: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-                  BE: tl.constexpr, LOG_BE: tl.constexpr):
-    """One tile of BT tokens and kv head: the first packed tokens of the distinct blocks its tokens selected,
-    ascending, then -1 (its row of lst, BT * NS long), and how many (cnt). Entry e is token e // NS's slot e % NS;
-    every pair of entries is compared (the tiles hold a few tokens), then one sort."""
+def _group_kernel(idx, pos, order, NT, H: tl.constexpr, NS: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
+                  SPAN: tl.constexpr, BSP: tl.constexpr):
+    """The tokens of span i_s (SPAN tokens) for kv head i_h in tiles of BT that share blocks, into order[i_h]: each
+    tile starts at the first token not yet placed and takes, BT - 1 times, the one with the most blocks in common
+    with its tokens (counted pair by pair, by packed first token). Greedy, and the same on every run."""
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    r = tl.arange(0, BSP)
+    t = i_s * SPAN + r
+    m = (r < SPAN) & (t < NT)
+    bos = t - tl.load(pos + t, mask=m, other=0)
+    ids = idx + (t.to(tl.int64) * H + i_h) * NS
+    shared = tl.zeros([BSP, BSP], tl.int32)                                 # blocks tokens a and b both selected
+    for sa in range(NS):
+        ja = tl.load(ids + sa, mask=m, other=-1)
+        ua = tl.where(ja >= 0, bos + ja * BS, -1)                           # [BSP] packed first token, -1 none
+        for sb in range(NS):
+            jb = tl.load(ids + sb, mask=m, other=-1)
+            shared += (ua[:, None] == tl.where(jb >= 0, bos + jb * BS, -2)[None, :]).to(tl.int32)
+    free = m
+    score = tl.zeros([BSP], tl.int32)                                       # blocks in common with the tile
+    for f in range(SPAN):                                                   # place f of the span
+        first = f % BT == 0
+        k = tl.argmax(tl.where(free, tl.where(first, -r, score), -BSP - 1), 0)  # first free token / most shared
+        tl.store(order + i_h.to(tl.int64) * NT + i_s * SPAN + f, i_s * SPAN + k, mask=i_s * SPAN + f < NT)
+        free = free & (r != k)
+        row = tl.sum(tl.where(r[:, None] == k, shared, 0), 0)              # shared[k, :]
+        score = tl.where(first, row, score + row)
+
+
+@triton.jit
+def _union_kernel(idx, pos, order, lst, cnt, NT, H: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr,
+                  BS: tl.constexpr, BE: tl.constexpr, LOG_BE: tl.constexpr):
+    """One tile of BT tokens (those at places i_t * BT .. of order[i_h]) and kv head i_h: the first packed tokens of
+    the distinct blocks its tokens selected, ascending, then -1 (its row of lst, BT * NS long), and how many (cnt).
+    Entry e is the tile's token e // NS's slot e % NS; every pair of entries is compared (the tiles hold a few
+    tokens), then one sort."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     e = tl.arange(0, BE)
-    t = i_t * BT + e // NS                                                  # [BE] tokens
-    m = (e < BT * NS) & (t < NT)
+    p = i_t * BT + e // NS                                                  # [BE] places in order
+    m = (e < BT * NS) & (p < NT)
+    t = tl.load(order + i_h.to(tl.int64) * NT + p, mask=m, other=0)         # [BE] tokens
     j = tl.load(idx + (t.to(tl.int64) * H + i_h) * NS + e % NS, mask=m, other=-1)
     start = tl.where(j >= 0, t - tl.load(pos + t, mask=m, other=0) + j * BS, INT_MAX)   # [BE] sequence start + j l'
     earlier = (start[:, None] == start[None, :]) & (e[:, None] > e[None, :])          # [BE, BE]
@@ -563,29 +603,33 @@ def _key_path(G):
     return path == "key" or (path == "auto" and G <= KEY_MAX_G)
 
 
-def union_lists(idx, pos, BT, sel_block):
-    """Per tile of BT tokens and kv head, the distinct blocks its tokens selected, each once, for the union tiles:
-    lst (tiles * H, BT * n) int32, their first packed tokens (sequence start + id * l') ascending, then -1; and cnt
-    (tiles * H,) int32, how many. idx (NT, H, n) cleaned ids, pos (NT,) int32 positions. One kernel; no host sync."""
+def union_tiles(idx, pos, BT, sel_block):
+    """The union tiles of BT tokens, per kv head: order (H, NT) int32, the tokens tile by tile (grouped by shared
+    blocks inside spans of GROUP_TILES tiles, _group_kernel); lst (tiles * H, BT * n) int32, the first packed tokens
+    (sequence start + id * l') of the distinct blocks a tile's tokens selected, ascending, then -1; cnt (tiles * H,)
+    int32, how many. idx (NT, H, n) cleaned ids, pos (NT,) int32 positions. Two kernels; no host sync."""
     NT, H, NS = idx.shape
-    tiles = triton.cdiv(NT, BT)
+    tiles, span = triton.cdiv(NT, BT), BT * GROUP_TILES
+    order = torch.empty(H, NT, device=idx.device, dtype=torch.int32)
     lst = torch.empty(tiles * H, BT * NS, device=idx.device, dtype=torch.int32)
     cnt = torch.empty(tiles * H, device=idx.device, dtype=torch.int32)
     if tiles:
+        _group_kernel[(triton.cdiv(NT, span), H)](idx, pos, order, NT, H=H, NS=NS, BS=sel_block, BT=BT, SPAN=span,
+                                                  BSP=triton.next_power_of_2(span))
         BE = triton.next_power_of_2(BT * NS)
-        _union_kernel[(tiles, H)](idx, pos, lst, cnt, NT, H=H, NS=NS, BT=BT, BS=sel_block, BE=BE,
+        _union_kernel[(tiles, H)](idx, pos, order, lst, cnt, NT, H=H, NS=NS, BT=BT, BS=sel_block, BE=BE,
                                   LOG_BE=BE.bit_length() - 1)
-    return lst, cnt
+    return order, lst, cnt
 
 
 def _query_launch(name, G, T, width):
     """(M, union, launch kwargs) of the query-centric kernel CONFIG[name] ("fwd" or "dq"), on rows of T tokens (packed
     var-length input: their total, a bound on each) and heads width = max(D, Dv) wide; a tile holds M // G tokens,
-    and union tiles need more than one. Under "auto" the forward at G = 16 with heads up to 128 wide (the measured
-    shape) takes CONFIG["fwd_union"] up to UNION_MAX_T tokens, where neighbouring tokens share enough blocks that
-    loading each once per tile pays."""
-    if name == "fwd" and CONFIG["path"] == "auto" and G == 16 and T <= UNION_MAX_T and width <= 128:
-        name = "fwd_union"
+    and union tiles need more than one. Under "auto" the forward and dq at G = 16 with heads up to 128 wide (the
+    measured shape) take CONFIG["fwd_union"] / ["dq_union"] up to UNION_MAX_T tokens, where tokens share enough
+    blocks that loading each once per tile pays."""
+    if CONFIG["path"] == "auto" and G == 16 and T <= UNION_MAX_T and width <= 128:
+        name += "_union"
     cfg = dict(CONFIG[name])
     M = tile_m(cfg.pop("rows"), G)
     return M, cfg.pop("union") and M // G > 1, cfg
@@ -667,30 +711,34 @@ def _plan(NT, HQ, H, NS, D, DV, sel_block):
 
 
 def _index(block_indices: torch.Tensor, sel_block: int, cu_seqlens: Optional[torch.Tensor], window: int,
-           chunk: int) -> list[torch.Tensor]:
+           chunk: int, tile: int) -> list[torch.Tensor]:
     """What the forward and the backward both take from the ids, built once per call (the op nsa::sel_index) for
     the windows of `window` tokens and chunks of `chunk` pairs that _plan gives: the cleaned ids (NT, H, n), pos and
     seq (NT,) int32 (each token's position inside its own sequence, which restarts at each cu_seqlens offset, and
-    that sequence's index), then each window's reverse index (_reverse_index's six tensors; none without tokens or
-    slots). A pure function of its arguments, as its fake must be."""
+    that sequence's index), the union tiles of `tile` tokens (union_tiles' three tensors; empty ones for tile 0),
+    then each window's reverse index (_reverse_index's six tensors; none without tokens or slots). A pure function
+    of its arguments, as its fake must be."""
     B, T, H, NS = block_indices.shape
     cu, seq, pos = sequences(B, T, cu_seqlens, block_indices.device)
     pos, seq = pos.to(torch.int32), seq.to(torch.int32)
     NB = _num_blocks(B * T, sel_block, cu.numel() - 1)
     idx, key = _clean_indices(pack(block_indices), pos, seq, sel_block, NB)
-    index = [idx, pos, seq]
+    index = [idx, pos, seq, *(union_tiles(idx, pos, tile, sel_block) if tile and NS else
+                                (pos.new_empty(0) for _ in range(3)))]
     if NS:
         for t0, t1 in _windows(B * T, window):
             index += _reverse_index(key[t0 * H * NS:t1 * H * NS], idx[t0:t1], pos, t0, sel_block, NB, chunk)
     return index
 
 
-def _index_fake(block_indices, sel_block, cu_seqlens, window, chunk):
+def _index_fake(block_indices, sel_block, cu_seqlens, window, chunk, tile):
     """_index's tensors, empty, with the shapes and dtypes it gives (for torch.compile)."""
     B, T, H, NS = block_indices.shape
     NT, n_seq = B * T, B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     new = block_indices.new_empty
-    index = [new(NT, H, NS), new(NT), new(NT)]
+    tiles = H * triton.cdiv(NT, tile) if tile and NS else 0
+    index = [new(NT, H, NS), new(NT), new(NT), *([new(H, NT), new(tiles, tile * NS), new(tiles)] if tiles else
+                                                 [new(0) for _ in range(3)])]
     NB = _num_blocks(NT, sel_block, n_seq)
     for t0, t1 in _windows(NT, window) if NS else []:
         E, NC, perm_dtype = _index_sizes(t1 - t0, H, NS, NB, chunk)
@@ -705,10 +753,10 @@ sel_index.register_fake(_index_fake)
 def _window_index(index, windows, H, NS):
     """The reverse index of each window out of index (nsa::sel_index's), or None if index was built for other
     windows (or is []): then the op builds its own."""
-    if len(index) != 3 + 6 * len(windows) or any(index[3 + 6 * w].numel() != (t1 - t0) * H * NS
+    if len(index) != 6 + 6 * len(windows) or any(index[6 + 6 * w].numel() != (t1 - t0) * H * NS
                                                  for w, (t0, t1) in enumerate(windows)):
         return None
-    return [index[3 + 6 * w: 9 + 6 * w] for w in range(len(windows))]
+    return [index[6 + 6 * w: 12 + 6 * w] for w in range(len(windows))]
 
 
 def _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_log2):
@@ -734,7 +782,8 @@ def _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_l
 
 def _prepare(q, k, v, block_indices, sel_block, cu_seqlens, index):
     """Sizes, the plan, the packed q, k, v, and the index: the one given (nsa::sel_index's) where it fits the plan
-    (CONFIG may have changed since a compiled graph was traced), else built here."""
+    (CONFIG may have changed since a compiled graph was traced), else built here (its union tiles then by
+    _union_index)."""
     B, T, HQ, D = q.shape
     H, NS, DV = k.shape[2], block_indices.shape[3], v.shape[3]
     c = _sizes(HQ, H, D, DV, sel_block)
@@ -742,9 +791,15 @@ def _prepare(q, k, v, block_indices, sel_block, cu_seqlens, index):
     windows = _windows(B * T, W)
     per_window = _window_index(index, windows, H, NS)
     if per_window is None:
-        index = _index(block_indices, sel_block, cu_seqlens, W, chunk)
+        index = _index(block_indices, sel_block, cu_seqlens, W, chunk, 0)
         per_window = _window_index(index, windows, H, NS)
-    return c, NS, key_path, windows, rows, per_window, pack(q), pack(k), pack(v), *index[:3]
+    return c, NS, key_path, windows, rows, per_window, pack(q), pack(k), pack(v), *index[:3], index[3:6]
+
+
+def _union_index(tiles, BT, idx, pos, sel_block):
+    """union_tiles of BT tokens: tiles (the index's) if they were built for BT, else built here."""
+    return tiles if tiles[1].dim() == 2 and tiles[1].shape[1] == BT * idx.shape[2] else \
+        union_tiles(idx, pos, BT, sel_block)
 
 
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch.Tensor], block_indices: torch.Tensor,
@@ -754,21 +809,21 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
     NT, DV = B * T, v.shape[3]
     if NT == 0 or block_indices.shape[3] == 0:  # nothing to attend to: o = 0, lse = -inf
         return q.new_zeros(B, T, HQ, DV), q.new_full((B, T, HQ), float("-inf"), dtype=torch.float32)
-    c, NS, key_path, windows, rows, per_window, qf, kf, vf, idx, pos, _ = _prepare(q, k, v, block_indices,
-                                                                                 sel_block, cu_seqlens, index)
+    c, NS, key_path, windows, rows, per_window, qf, kf, vf, idx, pos, _, tiles = _prepare(
+        q, k, v, block_indices, sel_block, cu_seqlens, index)
     gf = pack_gate(gate)
     scale_log2 = scale * math.log2(math.e)
     if key_path:
         o, lse = _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_log2)
         return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
     M, union, cfg = _query_launch("fwd", c["G"], T, max(D, DV))
-    lst, cnt = union_lists(idx, pos, M // c["G"], sel_block) if union else (idx, idx)
+    order, lst, cnt = _union_index(tiles, M // c["G"], idx, pos, sel_block) if union else (idx, idx, idx)
     o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
     kb, vb, boxes = tma_boxes(kf, vf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BDV"]])
-    _sel_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](qf, kb, vb, o, lse, gf, idx, pos, lst, cnt, scale_log2,
-                                                            NT, M=M, NS=NS, BNS=triton.next_power_of_2(NS), UNION=union,
-                                                            BOXES=boxes, GATED=gf is not None, **c, **cfg)
+    _sel_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](qf, kb, vb, o, lse, gf, idx, pos, order, lst, cnt,
+                                                            scale_log2, NT, M=M, NS=NS, BNS=triton.next_power_of_2(NS),
+                                                            UNION=union, BOXES=boxes, GATED=gf is not None, **c, **cfg)
     return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
 
 
@@ -781,8 +836,8 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     if NT == 0 or block_indices.shape[3] == 0:  # no key anywhere (o = 0): all gradients are zero
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 gate_grad(q.new_zeros(B, T, HQ, dtype=torch.float32), gate))
-    c, NS, key_path, windows, rows, per_window, qf, kf, vf, idx, pos, seq = _prepare(q, k, v, block_indices,
-                                                                                   sel_block, cu_seqlens, index)
+    c, NS, key_path, windows, rows, per_window, qf, kf, vf, idx, pos, seq, tiles = _prepare(
+        q, k, v, block_indices, sel_block, cu_seqlens, index)
     of, dof = o.reshape(NT, HQ, DV).contiguous(), do.reshape(NT, HQ, DV).contiguous()
     H = c["H"]
     scale_log2 = scale * math.log2(math.e)
@@ -795,12 +850,13 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
                                                            NT * HQ, DV=DV, BDV=c["BDV"], BR=32, GATED=gf is not None)
     else:  # query-centric dq, which writes delta and lse2 too
         M, union, cfg = _query_launch("dq", c["G"], T, max(D, DV))
-        lst, cnt = union_lists(idx, pos, M // c["G"], sel_block) if union else (idx, idx)
+        order, lst, cnt = _union_index(tiles, M // c["G"], idx, pos, sel_block) if union else (idx, idx, idx)
         kb, vb, boxes = tma_boxes(kf, vf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BDV"]])
         _sel_bwd_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](qf, kb, vb, of, dof, lse.reshape(NT, HQ), lse2, delta,
-                                                              dq, gf, idx, pos, lst, cnt, scale_log2, scale, NT, M=M,
-                                                              NS=NS, BNS=triton.next_power_of_2(NS), UNION=union,
-                                                              BOXES=boxes, GATED=gf is not None, **c, **cfg)
+                                                              dq, gf, idx, pos, order, lst, cnt, scale_log2, scale,
+                                                              NT, M=M, NS=NS, BNS=triton.next_power_of_2(NS),
+                                                              UNION=union, BOXES=boxes, GATED=gf is not None, **c,
+                                                              **cfg)
     lse = lse2
     cfg = dict(CONFIG[_dkv_entry(key_path, c["G"], D, DV)])
     cfg.pop("chunk_rows")                                                      # in the index
@@ -861,6 +917,8 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
                          f"{tuple(cu_seqlens.shape)} with B={B}")
     scale = D ** -0.5 if scale is None else float(scale)
     _, window, _, chunk = _plan(B * T, HQ, k.shape[2], block_indices.shape[3], D, v.shape[3], int(sel_block))
-    index = sel_index(block_indices, int(sel_block), cu_seqlens, window, chunk)          # shared by fwd and bwd
+    G = HQ // k.shape[2]
+    M, union, _ = _query_launch("fwd", G, B * T, max(D, v.shape[3]))     # its union tiles are built once too
+    index = sel_index(block_indices, int(sel_block), cu_seqlens, window, chunk, M // G if union else 0)
     return sel_attn_fwd(q, k, v, gate, block_indices, int(sel_block), scale, cu_seqlens, index)[0]
 

@@ -144,22 +144,32 @@ def test_union_tiles_match_reference(path, rows, monkeypatch):
         assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
 
 
-def test_union_lists():
-    """union_lists: each tile's distinct selected blocks (by packed first token, so equal ids of two sequences
-    differ), ascending, then -1, and their count; against sets."""
+def test_union_tiles():
+    """union_tiles: order[h] places every token once, inside its span of BT * GROUP_TILES tokens; a tile's list is
+    the distinct blocks (by packed first token, so equal ids of two sequences differ) the tokens at its places
+    selected, ascending, then -1, and their count (against sets); and tokens that selected the same blocks share
+    a tile, though they are not neighbours."""
     g = torch.Generator().manual_seed(3)
     NT, H, NS, BT, BS = 23, 2, 4, 8, 4
     pos = torch.cat([torch.arange(10), torch.arange(13)]).to(torch.int32)       # two sequences: 10 and 13 tokens
     idx = torch.randint(-1, 4, (NT, H, NS), generator=g, dtype=torch.int32)
     idx = torch.where(idx <= (pos // BS)[:, None, None], idx, -1)
-    lst, cnt = sel_kernel.union_lists(idx, pos, BT, BS)
+    order, lst, cnt = sel_kernel.union_tiles(idx, pos, BT, BS)
     bos = torch.arange(NT) - pos
-    for tile in range(3):
-        for h in range(H):
-            want = sorted({int(bos[t] + j * BS) for t in range(tile * BT, min(NT, tile * BT + BT))
+    span = BT * sel_kernel.GROUP_TILES
+    for h in range(H):
+        places = order[h].tolist()
+        assert sorted(places) == list(range(NT)) and all(t // span == p // span for p, t in enumerate(places))
+        for tile in range(3):
+            want = sorted({int(bos[t] + j * BS) for t in places[tile * BT:tile * BT + BT]
                            for j in idx[t, h].tolist() if j >= 0})
             row = lst[tile * H + h].tolist()
             assert cnt[tile * H + h] == len(want) and row == want + [-1] * (BT * NS - len(want))
+    # even tokens select block 0, odd ones block 1: four tiles of one block each, not eight blocks in neighbours
+    idx = torch.full((16, 1, 2), -1, dtype=torch.int32)
+    idx[:, 0, 0] = torch.arange(16) % 2
+    order, lst, cnt = sel_kernel.union_tiles(idx, torch.arange(16, dtype=torch.int32), 4, 1)
+    assert order[0].tolist() == [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15] and cnt.tolist() == [1] * 4
 
 
 def test_key_path_default_launch_config_matches_reference(monkeypatch):
@@ -379,11 +389,11 @@ def test_reverse_index_lists_each_blocks_pairs_in_token_order(monkeypatch):
     cu = torch.tensor([0, 70, 75, 200], dtype=torch.int32)
     T, H, n, l, chunk, W = 200, 3, 4, 16, 7, 90
     idx = random_indices(1, T, H, n, l, seed=12, cu_seqlens=cu)
-    index = sel_kernel._index(idx, l, cu, W, chunk)
+    index = sel_kernel._index(idx, l, cu, W, chunk, 0)
     cleaned, pos, seq = index[:3]
-    NB = index[7].numel() // H
+    NB = index[10].numel() // H
     for w, t0 in enumerate(range(0, T, W)):
-        perm, c_begin, c_end, c_key, seg_c0, seg_c1 = index[3 + 6 * w:9 + 6 * w]
+        perm, c_begin, c_end, c_key, seg_c0, seg_c1 = index[6 + 6 * w:12 + 6 * w]
         want = {}                                                               # c_key -> its pairs, loop order
         for t in range(t0, min(T, t0 + W)):
             for h in range(H):
@@ -407,24 +417,25 @@ def test_reverse_index_lists_each_blocks_pairs_in_token_order(monkeypatch):
         assert (seg_c0[~listed] == seg_c1[~listed]).all()
     for dtype in (torch.int32, torch.int64):
         monkeypatch.setattr(sel_kernel, "_key_dtype", lambda n: dtype)
-        assert all(torch.equal(a, b) for a, b in zip(sel_kernel._index(idx, l, cu, W, chunk), index))
+        assert all(torch.equal(a, b) for a, b in zip(sel_kernel._index(idx, l, cu, W, chunk, 0), index))
 
 
 @pytest.mark.parametrize("windows", [1, 3])
 def test_index_built_once_and_its_fake_matches(path, windows, monkeypatch):
     """nsa::sel_index builds the ids' index once per call: forward and backward take it and build none of their own;
-    its fake (for torch.compile) gives every tensor's shape and dtype; an index built for another plan (here other
-    token windows) is rebuilt, and the result stays right."""
+    its fake (for torch.compile) gives every tensor's shape and dtype, union tiles' too; an index built for another
+    plan (here other token windows) is rebuilt, and the result stays right."""
     B, T, HQ, H, n, l = 1, 40, 4, 2, 3, 16
     cu = torch.tensor([0, 17, 40], dtype=torch.int32)
     monkeypatch.setattr(sel_kernel, "KEY_WINDOW_ROWS", HQ * n * -(-T // windows))  # the key path: that many windows
     idx = random_indices(B, T, H, n, l, seed=13, cu_seqlens=cu)
     plan = sel_kernel._plan(T, HQ, H, n, 32, 32, l)
-    index = sel_kernel._index(idx, l, cu, *plan[1::2])
-    fake = sel_kernel._index_fake(idx, l, cu, *plan[1::2])
-    assert len(index) == 3 + 6 * (windows if path == "key" else 1)
-    assert [(x.shape, x.dtype) for x in index] == [(x.shape, x.dtype) for x in fake]
-    torch.library.opcheck(sel_kernel.sel_index, (idx, l, cu, *plan[1::2]))
+    for tile in (4, 0):
+        index = sel_kernel._index(idx, l, cu, *plan[1::2], tile)
+        fake = sel_kernel._index_fake(idx, l, cu, *plan[1::2], tile)
+        assert len(index) == 6 + 6 * (windows if path == "key" else 1) and index[4].numel() == (tile > 0) * 40 * n * H
+        assert [(x.shape, x.dtype) for x in index] == [(x.shape, x.dtype) for x in fake]
+        torch.library.opcheck(sel_kernel.sel_index, (idx, l, cu, *plan[1::2], tile))
     built, index_fn = [], sel_kernel._index
     monkeypatch.setattr(sel_kernel, "_index", lambda *a: built.append(a) or index_fn(*a))
     out, ref = run_both(B, T, HQ, H, 32, 32, n, l, torch.float32, idx=idx, cu_seqlens=cu, seed=13)
@@ -462,22 +473,28 @@ def test_auto_rule_and_bad_path(monkeypatch):
 
 
 def test_auto_union_rule(monkeypatch):
-    """Under "auto" the forward at G = 16 runs union tiles (CONFIG["fwd_union"], several tokens a tile) on rows of at
-    most UNION_MAX_T tokens with heads up to 128 wide; longer rows, other G, wider heads, the dq and the "query" path
-    keep one token a tile. And the selection under "auto" at G = 16 on short rows matches the reference."""
+    """Under "auto" the forward and dq at G = 16 run union tiles (CONFIG["fwd_union"], ["dq_union"], several tokens a
+    tile) on rows of at most UNION_MAX_T tokens with heads up to 128 wide; longer rows, other G, wider heads and the
+    "query" path keep one token a tile. And the selection under "auto" at G = 16 on short rows matches the
+    reference."""
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
     T = sel_kernel.UNION_MAX_T
-    M, union, _ = sel_kernel._query_launch("fwd", 16, T, 128)
-    assert union and M // 16 > 1
-    for name, G, t, width in (("fwd", 16, T + 1, 128), ("fwd", 12, T, 128), ("fwd", 32, T, 128),
-                              ("fwd", 16, T, 192), ("dq", 16, T, 128)):
-        M, union, _ = sel_kernel._query_launch(name, G, t, width)
-        assert not union and M // G == 1, (name, G, t, width)
+    for name in ("fwd", "dq"):
+        M, union, _ = sel_kernel._query_launch(name, 16, T, 128)
+        assert union and M // 16 > 1, name
+        for G, t, width in ((16, T + 1, 128), (12, T, 128), (32, T, 128), (16, T, 192)):
+            M, union, _ = sel_kernel._query_launch(name, G, t, width)
+            assert not union and M // G == 1, (name, G, t, width)
     out, ref = run_both(1, 70, 32, 2, 16, 16, 3, 16, torch.float32, seed=21, gated=True)
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
         assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "query")
     assert not sel_kernel._query_launch("fwd", 16, T, 128)[1]
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")                       # forward and dq: one grouping
+    built, tiles_fn = [], sel_kernel.union_tiles
+    monkeypatch.setattr(sel_kernel, "union_tiles", lambda *a: built.append(a) or tiles_fn(*a))
+    run_both(1, 70, 32, 2, 16, 16, 3, 16, torch.float32, seed=21)
+    assert len(built) == 1
 
 
 def test_dkv_entry_by_path_and_head_width(monkeypatch):
