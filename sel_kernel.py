@@ -918,7 +918,7 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
     scale = D ** -0.5 if scale is None else float(scale)
     _, window, _, chunk = _plan(B * T, HQ, k.shape[2], block_indices.shape[3], D, v.shape[3], int(sel_block))
     G = HQ // k.shape[2]
-    M, union, _ = _query_launch("fwd", G, B * T, max(D, v.shape[3]))     # its union tiles are built once too
+    M, union, _ = _query_launch("fwd", G, T, max(D, v.shape[3]))         # its union tiles are built once too
     index = sel_index(block_indices, int(sel_block), cu_seqlens, window, chunk, M // G if union else 0)
     return sel_attn_fwd(q, k, v, gate, block_indices, int(sel_block), scale, cu_seqlens, index)[0]
 
