@@ -64,6 +64,7 @@ DKV_CHUNKS = 1024  # the query path's reverse index aims at this many chunks at 
 KEY_MAX_G = 8  # "auto" takes the key-centric path for G = HQ / H up to this, at any length (RESULTS.md)
 UNION_MAX_T = 8192  # and at G = 16 on rows of at most this many tokens, the forward and dq in union tiles (RESULTS.md)
 GROUP_TILES = 16  # union tiles: their tokens are grouped by shared blocks inside spans of this many tiles
+GROUP_WORDS = 4  # and a token's blocks are a bitmask of this many 32-bit words: exact for 128 blocks (8192 at l' 64)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -454,33 +455,44 @@ def _clean_kernel(idx, out, key, pos, seq, NR, NB, H: tl.constexpr, NS: tl.const
 
 
 @triton.jit
+def _bit_count(x):
+    """Set bits of each uint32 of x (the SWAR popcount: pairs, nibbles, then bytes summed by a multiply)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    return (((x + (x >> 4)) & 0x0F0F0F0F) * 0x01010101) >> 24
+
+
+@triton.jit
 def _group_kernel(idx, pos, order, NT, H: tl.constexpr, NS: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
-                  SPAN: tl.constexpr, BSP: tl.constexpr):
+                  SPAN: tl.constexpr, BSP: tl.constexpr, NW: tl.constexpr):
     """The tokens of span i_s (SPAN tokens) for kv head i_h in tiles of BT that share blocks, into order[i_h]: each
-    tile starts at the first token not yet placed and takes, BT - 1 times, the one with the most blocks in common
-    with its tokens (counted pair by pair, by packed first token). Greedy, and the same on every run."""
+    tile starts at the first token not yet placed and takes, BT - 1 times, the one that adds the fewest blocks to its
+    list. A token's blocks are a bitmask of NW words: block b = (its packed first token - the span's earliest sequence
+    start) // l' is bit b % 32 of word b // 32 % NW, so blocks 32 NW apart (or of two packed sequences less than l'
+    apart) share a bit, which only makes the grouping worse, never the lists wrong. Greedy, the same every run."""
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     r = tl.arange(0, BSP)
     t = i_s * SPAN + r
     m = (r < SPAN) & (t < NT)
     bos = t - tl.load(pos + t, mask=m, other=0)
-    ids = idx + (t.to(tl.int64) * H + i_h) * NS
-    shared = tl.zeros([BSP, BSP], tl.int32)                                 # blocks tokens a and b both selected
-    for sa in range(NS):
-        ja = tl.load(ids + sa, mask=m, other=-1)
-        ua = tl.where(ja >= 0, bos + ja * BS, -1)                           # [BSP] packed first token, -1 none
-        for sb in range(NS):
-            jb = tl.load(ids + sb, mask=m, other=-1)
-            shared += (ua[:, None] == tl.where(jb >= 0, bos + jb * BS, -2)[None, :]).to(tl.int32)
+    base = tl.min(tl.where(m, bos, INT_MAX), 0)
+    w = tl.arange(0, NW)
+    blocks = tl.zeros([BSP, NW], tl.uint32)                                 # [BSP, NW] each token's blocks
+    for s in range(NS):
+        j = tl.load(idx + (t.to(tl.int64) * H + i_h) * NS + s, mask=m, other=-1)
+        b = (bos - base + j * BS) // BS % (32 * NW)                         # [BSP] bit of block j
+        bit = tl.where(j >= 0, tl.full([BSP], 1, tl.uint32) << (b % 32).to(tl.uint32), 0)
+        blocks |= tl.where(w[None, :] == b[:, None] // 32, bit[:, None], 0)
     free = m
-    score = tl.zeros([BSP], tl.int32)                                       # blocks in common with the tile
+    tile = tl.zeros([NW], tl.uint32)                                        # the blocks of the tile being built
     for f in range(SPAN):                                                   # place f of the span
         first = f % BT == 0
-        k = tl.argmax(tl.where(free, tl.where(first, -r, score), -BSP - 1), 0)  # first free token / most shared
+        new = tl.sum(_bit_count(blocks ^ (blocks & tile[None, :])).to(tl.int32), 1)   # [BSP] blocks it would add
+        k = tl.argmin(tl.where(free, tl.where(first, 0, new) * BSP + r, INT_MAX), 0)   # first free on ties
         tl.store(order + i_h.to(tl.int64) * NT + i_s * SPAN + f, i_s * SPAN + k, mask=i_s * SPAN + f < NT)
         free = free & (r != k)
-        row = tl.sum(tl.where(r[:, None] == k, shared, 0), 0)              # shared[k, :]
-        score = tl.where(first, row, score + row)
+        row = tl.max(tl.where(r[:, None] == k, blocks, 0), 0)              # [NW] blocks[k]
+        tile = tl.where(first, row, tile | row)
 
 
 @triton.jit
@@ -615,7 +627,7 @@ def union_tiles(idx, pos, BT, sel_block):
     cnt = torch.empty(tiles * H, device=idx.device, dtype=torch.int32)
     if tiles:
         _group_kernel[(triton.cdiv(NT, span), H)](idx, pos, order, NT, H=H, NS=NS, BS=sel_block, BT=BT, SPAN=span,
-                                                  BSP=triton.next_power_of_2(span))
+                                                  BSP=triton.next_power_of_2(span), NW=GROUP_WORDS)
         BE = triton.next_power_of_2(BT * NS)
         _union_kernel[(tiles, H)](idx, pos, order, lst, cnt, NT, H=H, NS=NS, BT=BT, BS=sel_block, BE=BE,
                                   LOG_BE=BE.bit_length() - 1)

@@ -147,8 +147,8 @@ def test_union_tiles_match_reference(path, rows, monkeypatch):
 def test_union_tiles():
     """union_tiles: order[h] places every token once, inside its span of BT * GROUP_TILES tokens; a tile's list is
     the distinct blocks (by packed first token, so equal ids of two sequences differ) the tokens at its places
-    selected, ascending, then -1, and their count (against sets); and tokens that selected the same blocks share
-    a tile, though they are not neighbours."""
+    selected, ascending, then -1, and their count (against sets); tokens that selected the same blocks share a
+    tile, though they are not neighbours; and a tile grows by the token that adds the fewest blocks."""
     g = torch.Generator().manual_seed(3)
     NT, H, NS, BT, BS = 23, 2, 4, 8, 4
     pos = torch.cat([torch.arange(10), torch.arange(13)]).to(torch.int32)       # two sequences: 10 and 13 tokens
@@ -170,6 +170,11 @@ def test_union_tiles():
     idx[:, 0, 0] = torch.arange(16) % 2
     order, lst, cnt = sel_kernel.union_tiles(idx, torch.arange(16, dtype=torch.int32), 4, 1)
     assert order[0].tolist() == [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15] and cnt.tolist() == [1] * 4
+    # a tile takes the token that adds the fewest blocks to its list (3: none), not the one sharing the most (2)
+    idx = torch.full((12, 1, 3), -1, dtype=torch.int32)                          # tokens 0-7 select nothing
+    idx[8:, 0] = torch.tensor([[0, 1, -1], [2, 3, -1], [0, 1, 2], [0, -1, -1]], dtype=torch.int32)
+    order, lst, cnt = sel_kernel.union_tiles(idx, torch.arange(12, dtype=torch.int32), 2, 1)
+    assert order[0].tolist()[8:] == [8, 11, 9, 10] and cnt.tolist()[4:] == [2, 4]
 
 
 def test_key_path_default_launch_config_matches_reference(monkeypatch):
