@@ -22,7 +22,7 @@ from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse,
 #   arithmetic (a warp per token at G = 16): keys of the box past a token's position (in its own block, or past
 #   its sequence's end) are read and get probability 0, exact for finite values, as in any tiled causal kernel;
 #   an unused slot reads a box past the array's end (zeros). Else by masked pointer loads, none past the tile's last
-#   token. Under "auto" at G = 16 (heads up to 128 wide), on rows of at most UNION_MAX_T tokens, the forward's and
+#   token. Under "auto" at G = 16 (heads up to 128 wide), on rows of up to UNION_MAX_T tokens, the forward's and
 #   dq's tiles hold 4 tokens and walk their union list instead: each block once, for the rows whose token chose it
 #   (CONFIG["fwd_union"], ["dq_union"]). A union tile costs about the length of its list, so its tokens are not
 #   neighbours but are grouped by the blocks they share, inside spans of GROUP_TILES tiles (_group_kernel).
@@ -62,7 +62,8 @@ CONFIG = {
 }
 DKV_CHUNKS = 1024  # the query path's reverse index aims at this many chunks at least (see _plan)
 KEY_MAX_G = 8  # "auto" takes the key-centric path for G = HQ / H up to this, at any length (RESULTS.md)
-UNION_MAX_T = 8192  # and at G = 16 on rows of at most this many tokens, the forward and dq in union tiles (RESULTS.md)
+UNION_MAX_T = dict(fwd=16384, dq=8192)  # and at G = 16 on rows of at most so many tokens, the forward / dq in union
+#                                          tiles (RESULTS.md)
 GROUP_TILES = 16  # union tiles: their tokens are grouped by shared blocks inside spans of this many tiles
 GROUP_WORDS = 4  # and a token's blocks are a bitmask of this many 32-bit words: exact for 128 blocks (8192 at l' 64)
 
@@ -638,9 +639,9 @@ def _query_launch(name, G, T, width):
     """(M, union, launch kwargs) of the query-centric kernel CONFIG[name] ("fwd" or "dq"), on rows of T tokens (packed
     var-length input: their total, a bound on each) and heads width = max(D, Dv) wide; a tile holds M // G tokens,
     and union tiles need more than one. Under "auto" the forward and dq at G = 16 with heads up to 128 wide (the
-    measured shape) take CONFIG["fwd_union"] / ["dq_union"] up to UNION_MAX_T tokens, where tokens share enough
+    measured shape) take CONFIG["fwd_union"] / ["dq_union"] up to UNION_MAX_T[name] tokens, where tokens share enough
     blocks that loading each once per tile pays."""
-    if CONFIG["path"] == "auto" and G == 16 and T <= UNION_MAX_T and width <= 128:
+    if CONFIG["path"] == "auto" and G == 16 and T <= UNION_MAX_T[name] and width <= 128:
         name += "_union"
     cfg = dict(CONFIG[name])
     M = tile_m(cfg.pop("rows"), G)

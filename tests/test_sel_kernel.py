@@ -479,12 +479,12 @@ def test_auto_rule_and_bad_path(monkeypatch):
 
 def test_auto_union_rule(monkeypatch):
     """Under "auto" the forward and dq at G = 16 run union tiles (CONFIG["fwd_union"], ["dq_union"], several tokens a
-    tile) on rows of at most UNION_MAX_T tokens with heads up to 128 wide; longer rows, other G, wider heads and the
-    "query" path keep one token a tile. And the selection under "auto" at G = 16 on short rows matches the
+    tile) on rows of at most UNION_MAX_T[kernel] tokens with heads up to 128 wide; longer rows, other G, wider heads
+    and the "query" path keep one token a tile. And the selection under "auto" at G = 16 on short rows matches the
     reference."""
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
-    T = sel_kernel.UNION_MAX_T
     for name in ("fwd", "dq"):
+        T = sel_kernel.UNION_MAX_T[name]
         M, union, _ = sel_kernel._query_launch(name, 16, T, 128)
         assert union and M // 16 > 1, name
         for G, t, width in ((16, T + 1, 128), (12, T, 128), (32, T, 128), (16, T, 192)):
@@ -494,9 +494,9 @@ def test_auto_union_rule(monkeypatch):
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
         assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "query")
-    assert not sel_kernel._query_launch("fwd", 16, T, 128)[1]
+    assert not sel_kernel._query_launch("fwd", 16, 16, 128)[1]
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")                       # forward and dq: one grouping,
-    monkeypatch.setattr(sel_kernel, "UNION_MAX_T", 64)                         # rows of T (not B * T) tokens
+    monkeypatch.setattr(sel_kernel, "UNION_MAX_T", dict(fwd=64, dq=64))        # rows of T (not B * T) tokens
     built, tiles_fn = [], sel_kernel.union_tiles
     monkeypatch.setattr(sel_kernel, "union_tiles", lambda *a: built.append(a) or tiles_fn(*a))
     run_both(2, 40, 32, 2, 16, 16, 3, 16, torch.float32, seed=21)
