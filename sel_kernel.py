@@ -65,7 +65,7 @@ KEY_MAX_G = 8  # "auto" takes the key-centric path for G = HQ / H up to this, at
 UNION_MAX_T = dict(fwd=16384, dq=8192)  # and at G = 16 on rows of at most so many tokens, the forward / dq in union
 #                                          tiles (RESULTS.md)
 GROUP_TILES = 16  # union tiles: their tokens are grouped by shared blocks inside spans of this many tiles
-GROUP_WORDS = 4  # and a token's blocks are a bitmask of this many 32-bit words: exact for 128 blocks (8192 at l' 64)
+GROUP_WORDS = 8  # and a token's blocks a bitmask of at most this many 32-bit words (exact up to 16k tokens at l' 64)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -623,12 +623,13 @@ def union_tiles(idx, pos, BT, sel_block):
     int32, how many. idx (NT, H, n) cleaned ids, pos (NT,) int32 positions. Two kernels; no host sync."""
     NT, H, NS = idx.shape
     tiles, span = triton.cdiv(NT, BT), BT * GROUP_TILES
+    words = min(GROUP_WORDS, triton.next_power_of_2(triton.cdiv(triton.cdiv(NT, sel_block), 32)))  # a bit a block
     order = torch.empty(H, NT, device=idx.device, dtype=torch.int32)
     lst = torch.empty(tiles * H, BT * NS, device=idx.device, dtype=torch.int32)
     cnt = torch.empty(tiles * H, device=idx.device, dtype=torch.int32)
     if tiles:
         _group_kernel[(triton.cdiv(NT, span), H)](idx, pos, order, NT, H=H, NS=NS, BS=sel_block, BT=BT, SPAN=span,
-                                                  BSP=triton.next_power_of_2(span), NW=GROUP_WORDS)
+                                                  BSP=triton.next_power_of_2(span), NW=words)
         BE = triton.next_power_of_2(BT * NS)
         _union_kernel[(tiles, H)](idx, pos, order, lst, cnt, NT, H=H, NS=NS, BT=BT, BS=sel_block, BE=BE,
                                   LOG_BE=BE.bit_length() - 1)
