@@ -62,7 +62,7 @@ CONFIG = {
 }
 DKV_CHUNKS = 1024  # the query path's reverse index aims at this many chunks at least (see _plan)
 KEY_MAX_G = 8  # "auto" takes the key-centric path for G = HQ / H up to this, at any length (RESULTS.md)
-UNION_MAX_T = dict(fwd=16384, dq=8192)  # and at G = 16 on rows of at most so many tokens, the forward / dq in union
+UNION_MAX_T = dict(fwd=32768, dq=8192)  # and at G = 16 on rows of at most so many tokens, the forward / dq in union
 #                                          tiles (RESULTS.md)
 GROUP_TILES = 16  # union tiles: their tokens are grouped by shared blocks inside spans of this many tiles
 GROUP_WORDS = 8  # and a token's blocks a bitmask of at most this many 32-bit words (exact up to 16k tokens at l' 64)
