@@ -25,7 +25,8 @@ from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse,
 #   token. Under "auto" at G = 16 (heads up to 128 wide), on rows of up to UNION_MAX_T tokens, the forward's and
 #   dq's tiles hold 4 tokens and walk their union list instead: each block once, for the rows whose token chose it
 #   (CONFIG["fwd_union"], ["dq_union"]). A union tile costs about the length of its list, so its tokens are not
-#   neighbours but are grouped by the blocks they share, inside spans of GROUP_TILES tiles (_group_kernel).
+#   neighbours but are grouped by the blocks they share, inside spans of GROUP_TILES tiles (_group_kernel). On
+#   longer rows the forward splits: tiles whose lists pass UNION_SPLIT x n run their tokens one to a tile.
 # - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
 #   builds the reverse index (which (token, slot) pairs selected each block, tokens ascending) in O(NT*H*n) memory;
 #   each list is cut into chunks of CONFIG's chunk_rows query rows (shorter on short inputs, so the grid fills the
@@ -63,7 +64,8 @@ CONFIG = {
 DKV_CHUNKS = 1024  # the query path's reverse index aims at this many chunks at least (see _plan)
 KEY_MAX_G = 8  # "auto" takes the key-centric path for G = HQ / H up to this, at any length (RESULTS.md)
 UNION_MAX_T = dict(fwd=32768, dq=8192)  # and at G = 16 on rows of at most so many tokens, the forward / dq in union
-#                                          tiles (RESULTS.md)
+#                                          tiles (RESULTS.md); on longer rows the forward's union tiles that list
+UNION_SPLIT = 3.0  # more than this many n blocks run one token a tile instead, in a second launch
 GROUP_TILES = 16  # union tiles: their tokens are grouped by shared blocks inside spans of this many tiles
 GROUP_WORDS = 8  # and a token's blocks a bitmask of at most this many 32-bit words (exact up to 16k tokens at l' 64)
 
@@ -72,14 +74,17 @@ GROUP_WORDS = 8  # and a token's blocks a bitmask of at most this many 32-bit wo
 # forward: o = softmax(scale * q k^T) v over the selected blocks, base-2 softmax, fp32 accumulate
 
 @triton.jit
-def _slot_rows(idx, pos, p_r, m_r, f, i_t, i_h, NT, H: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-               NS: tl.constexpr):
-    """Slot f = (token p, slot s) of a tile of BT tokens: its block id j, the sequence start, token p's rows (which
-    use the block) and the last key position they may read. Ids are pre-cleaned (valid, no repeats, else -1)."""
+def _slot_rows(idx, pos, order, p_r, m_r, f, i_t, i_h, NT, H: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+               NS: tl.constexpr, ORDER: tl.constexpr):
+    """Slot f = (token p, slot s) of a tile of BT tokens (ORDER: those at places i_t * BT .. of order[i_h]): its block
+    id j, the sequence start, token p's rows (which use the block) and the last key position they may read. Ids are
+    pre-cleaned (valid, no repeats, else -1)."""
     p = f // NS
     s = f % NS
     t_p = i_t * BT + p
     m_p = t_p < NT
+    if ORDER:
+        t_p = tl.load(order + i_h.to(tl.int64) * NT + t_p, mask=m_p, other=0)
     rel_p = tl.load(pos + t_p, mask=m_p, other=0)                           # position inside its sequence
     j = tl.load(idx + (t_p.to(tl.int64) * H + i_h) * NS + s, mask=m_p, other=-1)
     ok = m_p & (j >= 0) & (j <= rel_p // BS)                                # padding / future ids: no rows
@@ -150,13 +155,21 @@ def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, order, lst, cnt, scale_log2
                     H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                     BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr,
-                    BOXES: tl.constexpr, GATED: tl.constexpr):
+                    BOXES: tl.constexpr, GATED: tl.constexpr, LIMIT=0, SPLIT: tl.constexpr = 0, UT: tl.constexpr = 1):
     """o (times the gate) and the base-2 lse of tile i_t of BT tokens x the G heads of kv head i_h, over the tokens'
-    selected blocks: slot by slot, or (UNION) each block of the tile's union list once for all its rows."""
+    selected blocks: slot by slot, or (UNION) each block of the tile's union list once for all its rows. SPLIT: two
+    launches share the union tiles (of UT tokens), by the length of their lists: 1, the union tiles of at most LIMIT
+    blocks; 2, one token a tile (BT dividing UT), the tokens of the others, slot by slot."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     BT: tl.constexpr = M // G
+    if SPLIT == 1:
+        if tl.load(cnt + i_t * H + i_h) > LIMIT:
+            return
+    if SPLIT == 2:
+        if tl.load(cnt + (i_t * BT // UT) * H + i_h) <= LIMIT:
+            return
     p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, order, i_t, i_h, NT, H, G, M, D, BD,
-                                                                  NS, BNS, UNION)
+                                                                  NS, BNS, UNION or SPLIT == 2)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BDV], tl.float32)
@@ -168,7 +181,7 @@ def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, order, lst, cnt, scale_log2
                                        NT, H, D, DV, BD, BDV, BS, BK, BOXES)
     else:
         for f in range(BT * NS):                          # slot f = (token f // n, slot f % n) of the tile
-            j, bos, m_row, rel_max = _slot_rows(idx, pos, p_r, m_r, f, i_t, i_h, NT, H, BT, BS, NS)
+            j, bos, m_row, rel_max = _slot_rows(idx, pos, order, p_r, m_r, f, i_t, i_h, NT, H, BT, BS, NS, SPLIT == 2)
             m_i, l_i, acc = _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
                                        NT, H, D, DV, BD, BDV, BS, BK, BOXES)
     b_o, b_lse = softmax_finish(m_i, l_i, acc)            # lse: base 2, of the scaled scores
@@ -239,7 +252,7 @@ def _sel_bwd_dq_kernel(q, k, v, o, do, lse, lse2, delta, dq, gate, idx, pos, ord
                              NT, H, D, DV, BD, BDV, BS, BK, BOXES)
     else:
         for f in range(BT * NS):
-            j, bos, m_row, rel_max = _slot_rows(idx, pos, p_r, m_r, f, i_t, i_h, NT, H, BT, BS, NS)
+            j, bos, m_row, rel_max = _slot_rows(idx, pos, order, p_r, m_r, f, i_t, i_h, NT, H, BT, BS, NS, False)
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
                              NT, H, D, DV, BD, BDV, BS, BK, BOXES)
     store_rows(dq, t_off + hq_r, m_r, b_dq * scale, D, BD)
@@ -641,12 +654,19 @@ def _query_launch(name, G, T, width):
     var-length input: their total, a bound on each) and heads width = max(D, Dv) wide; a tile holds M // G tokens,
     and union tiles need more than one. Under "auto" the forward and dq at G = 16 with heads up to 128 wide (the
     measured shape) take CONFIG["fwd_union"] / ["dq_union"] up to UNION_MAX_T[name] tokens, where tokens share enough
-    blocks that loading each once per tile pays."""
-    if CONFIG["path"] == "auto" and G == 16 and T <= UNION_MAX_T[name] and width <= 128:
+    blocks that loading each once per tile pays; on longer rows the forward keeps them where their lists are short
+    (cfg["split"] = UNION_SPLIT, see _fwd)."""
+    auto = CONFIG["path"] == "auto" and G == 16 and width <= 128
+    if auto and (T <= UNION_MAX_T[name] or name == "fwd"):
         name += "_union"
     cfg = dict(CONFIG[name])
+    if auto and name == "fwd_union" and T > UNION_MAX_T["fwd"]:
+        cfg["split"] = UNION_SPLIT
     M = tile_m(cfg.pop("rows"), G)
-    return M, cfg.pop("union") and M // G > 1, cfg
+    union = cfg.pop("union") and M // G > 1
+    if not union:
+        cfg.pop("split", None)
+    return M, union, cfg
 
 
 def _chunk_pairs(rows, chunk_rows, G):
@@ -831,13 +851,22 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
         o, lse = _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_log2)
         return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
     M, union, cfg = _query_launch("fwd", c["G"], T, max(D, DV))
+    split = cfg.pop("split", None)                      # union tiles listing more blocks: one token a tile
     order, lst, cnt = _union_index(tiles, M // c["G"], idx, pos, sel_block) if union else (idx, idx, idx)
     o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
     kb, vb, boxes = tma_boxes(kf, vf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BDV"]])
-    _sel_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](qf, kb, vb, o, lse, gf, idx, pos, order, lst, cnt,
-                                                            scale_log2, NT, M=M, NS=NS, BNS=triton.next_power_of_2(NS),
-                                                            UNION=union, BOXES=boxes, GATED=gf is not None, **c, **cfg)
+    args = (qf, kb, vb, o, lse, gf, idx, pos, order, lst, cnt, scale_log2, NT)
+    const = dict(NS=NS, BNS=triton.next_power_of_2(NS), BOXES=boxes, GATED=gf is not None,
+                 LIMIT=int((split or 0) * NS), **c)
+    _sel_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](*args, M=M, UNION=union, SPLIT=int(split is not None),
+                                                            **const, **cfg)
+    if split is not None:                               # each of their tokens in CONFIG["fwd"]'s tiles
+        cfg1 = dict(CONFIG["fwd"])
+        M1 = min(tile_m(cfg1.pop("rows"), c["G"]), M)      # tokens a tile dividing the union tiles'
+        cfg1.pop("union")
+        _sel_fwd_kernel[(triton.cdiv(NT, M1 // c["G"]), c["H"])](*args, M=M1, UNION=False, SPLIT=2, UT=M // c["G"],
+                                                                 **const, **cfg1)
     return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
 
 

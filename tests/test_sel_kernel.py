@@ -144,6 +144,21 @@ def test_union_tiles_match_reference(path, rows, monkeypatch):
         assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
 
 
+@pytest.mark.parametrize("split", [0.0, 0.5])
+def test_union_split_matches_reference(split, monkeypatch):
+    """Past UNION_MAX_T["fwd"] the forward splits the union tiles by list length: those listing more than
+    UNION_SPLIT x n blocks (all at 0; at 0.5 those of 2 or more here) run their tokens one to a tile, in a second
+    launch over the tiles' order. Every row is written once, by one of the two: o and every gradient match the
+    reference, var-length and gated."""
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
+    monkeypatch.setattr(sel_kernel, "UNION_MAX_T", dict(fwd=16, dq=16))
+    monkeypatch.setattr(sel_kernel, "UNION_SPLIT", split)
+    cu = torch.tensor([0, 20, 57], dtype=torch.int32)
+    out, ref = run_both(1, 57, 32, 2, 16, 16, 3, 16, torch.float32, seed=16, cu_seqlens=cu, gated=True)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
+        assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
+
+
 def test_union_tiles():
     """union_tiles: order[h] places every token once, inside its span of BT * GROUP_TILES tokens; a tile's list is
     the distinct blocks (by packed first token, so equal ids of two sequences differ) the tokens at its places
@@ -485,11 +500,14 @@ def test_auto_union_rule(monkeypatch):
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
     for name in ("fwd", "dq"):
         T = sel_kernel.UNION_MAX_T[name]
-        M, union, _ = sel_kernel._query_launch(name, 16, T, 128)
-        assert union and M // 16 > 1, name
+        M, union, cfg = sel_kernel._query_launch(name, 16, T, 128)
+        assert union and M // 16 > 1 and "split" not in cfg, name
         for G, t, width in ((16, T + 1, 128), (12, T, 128), (32, T, 128), (16, T, 192)):
             M, union, _ = sel_kernel._query_launch(name, G, t, width)
-            assert not union and M // G == 1, (name, G, t, width)
+            if name == "fwd" and G == 16 and width == 128:                   # longer rows: split by list length
+                assert union and sel_kernel._query_launch(name, G, t, width)[2]["split"] == sel_kernel.UNION_SPLIT
+            else:
+                assert not union and M // G == 1, (name, G, t, width)
     out, ref = run_both(1, 70, 32, 2, 16, 16, 3, 16, torch.float32, seed=21, gated=True)
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
         assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
