@@ -657,16 +657,17 @@ def _query_launch(name, G, T, width):
     blocks that loading each once per tile pays; on longer rows the forward keeps them where their lists are short
     (cfg["split"] = UNION_SPLIT, see _fwd)."""
     auto = CONFIG["path"] == "auto" and G == 16 and width <= 128
-    if auto and (T <= UNION_MAX_T[name] or name == "fwd"):
-        name += "_union"
-    cfg = dict(CONFIG[name])
-    if auto and name == "fwd_union" and T > UNION_MAX_T["fwd"]:
+    M, union, cfg = _launch(name + "_union" if auto and (T <= UNION_MAX_T[name] or name == "fwd") else name, G)
+    if union and auto and name == "fwd" and T > UNION_MAX_T["fwd"]:
         cfg["split"] = UNION_SPLIT
-    M = tile_m(cfg.pop("rows"), G)
-    union = cfg.pop("union") and M // G > 1
-    if not union:
-        cfg.pop("split", None)
     return M, union, cfg
+
+
+def _launch(entry, G):
+    """(M, union, launch kwargs) of CONFIG[entry] at G query heads per kv head."""
+    cfg = dict(CONFIG[entry])
+    M = tile_m(cfg.pop("rows"), G)
+    return M, cfg.pop("union") and M // G > 1, cfg
 
 
 def _chunk_pairs(rows, chunk_rows, G):
@@ -862,9 +863,8 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
     _sel_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](*args, M=M, UNION=union, SPLIT=int(split is not None),
                                                             **const, **cfg)
     if split is not None:                               # each of their tokens in CONFIG["fwd"]'s tiles
-        cfg1 = dict(CONFIG["fwd"])
-        M1 = min(tile_m(cfg1.pop("rows"), c["G"]), M)      # tokens a tile dividing the union tiles'
-        cfg1.pop("union")
+        M1, _, cfg1 = _launch("fwd", c["G"])
+        M1 = min(M1, M)                                 # tokens a tile dividing the union tiles'
         _sel_fwd_kernel[(triton.cdiv(NT, M1 // c["G"]), c["H"])](*args, M=M1, UNION=False, SPLIT=2, UT=M // c["G"],
                                                                  **const, **cfg1)
     return o.view(B, T, HQ, DV), lse.view(B, T, HQ)

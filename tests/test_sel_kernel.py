@@ -494,18 +494,18 @@ def test_auto_rule_and_bad_path(monkeypatch):
 
 def test_auto_union_rule(monkeypatch):
     """Under "auto" the forward and dq at G = 16 run union tiles (CONFIG["fwd_union"], ["dq_union"], several tokens a
-    tile) on rows of at most UNION_MAX_T[kernel] tokens with heads up to 128 wide; longer rows, other G, wider heads
-    and the "query" path keep one token a tile. And the selection under "auto" at G = 16 on short rows matches the
-    reference."""
+    tile) on rows of at most UNION_MAX_T[kernel] tokens with heads up to 128 wide; on longer rows the forward splits
+    its union tiles by list length (UNION_SPLIT) and the dq, like other G, wider heads and the "query" path, keeps
+    one token a tile. And the selection under "auto" at G = 16 on short rows matches the reference."""
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
     for name in ("fwd", "dq"):
         T = sel_kernel.UNION_MAX_T[name]
         M, union, cfg = sel_kernel._query_launch(name, 16, T, 128)
         assert union and M // 16 > 1 and "split" not in cfg, name
         for G, t, width in ((16, T + 1, 128), (12, T, 128), (32, T, 128), (16, T, 192)):
-            M, union, _ = sel_kernel._query_launch(name, G, t, width)
+            M, union, cfg = sel_kernel._query_launch(name, G, t, width)
             if name == "fwd" and G == 16 and width == 128:                   # longer rows: split by list length
-                assert union and sel_kernel._query_launch(name, G, t, width)[2]["split"] == sel_kernel.UNION_SPLIT
+                assert union and cfg["split"] == sel_kernel.UNION_SPLIT
             else:
                 assert not union and M // G == 1, (name, G, t, width)
     out, ref = run_both(1, 70, 32, 2, 16, 16, 3, 16, torch.float32, seed=21, gated=True)
