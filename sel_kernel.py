@@ -22,11 +22,11 @@ from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse,
 #   arithmetic (a warp per token at G = 16): keys of the box past a token's position (in its own block, or past
 #   its sequence's end) are read and get probability 0, exact for finite values, as in any tiled causal kernel;
 #   an unused slot reads a box past the array's end (zeros). Else by masked pointer loads, none past the tile's last
-#   token. Under "auto" at G = 16 (heads up to 128 wide), on rows of up to UNION_MAX_T tokens, the forward's and
-#   dq's tiles hold 4 tokens and walk their union list instead: each block once, for the rows whose token chose it
-#   (CONFIG["fwd_union"], ["dq_union"]). A union tile costs about the length of its list, so its tokens are not
-#   neighbours but are grouped by the blocks they share, inside spans of GROUP_TILES tiles (_group_kernel). On
-#   longer rows the forward splits: tiles whose lists pass UNION_SPLIT x n run their tokens one to a tile.
+#   token. Under "auto" at G = 16 (heads up to 128 wide) the forward's and dq's tiles hold 4 tokens and walk their
+#   union list instead: each block once, for the rows whose token chose it (CONFIG["fwd_union"], ["dq_union"]). A
+#   union tile costs about the length of its list, so its tokens are not neighbours but are grouped by the blocks
+#   they share, inside spans of GROUP_TILES tiles (_group_kernel). On rows longer than UNION_MAX_T tokens the union
+#   tiles split: those whose lists pass UNION_SPLIT x n run their tokens one to a tile, in a second launch.
 # - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
 #   builds the reverse index (which (token, slot) pairs selected each block, tokens ascending) in O(NT*H*n) memory;
 #   each list is cut into chunks of CONFIG's chunk_rows query rows (shorter on short inputs, so the grid fills the
@@ -63,9 +63,9 @@ CONFIG = {
 }
 DKV_CHUNKS = 1024  # the query path's reverse index aims at this many chunks at least (see _plan)
 KEY_MAX_G = 8  # "auto" takes the key-centric path for G = HQ / H up to this, at any length (RESULTS.md)
-UNION_MAX_T = dict(fwd=32768, dq=8192)  # and at G = 16 on rows of at most so many tokens, the forward / dq in union
-#                                          tiles (RESULTS.md); on longer rows the forward's union tiles that list
-UNION_SPLIT = 3.0  # more than this many n blocks run one token a tile instead, in a second launch
+UNION_MAX_T = dict(fwd=32768, dq=8192)  # and at G = 16 the forward / dq in union tiles (RESULTS.md); on rows of
+#                                          more than so many tokens, union tiles that list more than
+UNION_SPLIT = dict(fwd=3.0, dq=2.0)  # so many n blocks run one token a tile instead, in a second launch
 GROUP_TILES = 16  # union tiles: their tokens are grouped by shared blocks inside spans of this many tiles
 GROUP_WORDS = 8  # and a token's blocks a bitmask of at most this many 32-bit words (exact up to 16k tokens at l' 64)
 
@@ -151,22 +151,26 @@ def _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_lo
 
 
 @triton.jit
+def _other_launch(cnt, i_t, i_h, LIMIT, H: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, UT: tl.constexpr):
+    """Whether tile i_t's rows belong to the split's other launch. The union tiles (of UT tokens) listing at most
+    LIMIT blocks run in launch 1 (BT = UT), the tokens of the others one to a tile, slot by slot, in launch 2 (BT
+    dividing UT)."""
+    return (tl.load(cnt + (i_t * BT // UT) * H + i_h) > LIMIT) == (SPLIT == 1)
+
+
+@triton.jit
 def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, order, lst, cnt, scale_log2, NT,
                     H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                     BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr,
                     BOXES: tl.constexpr, GATED: tl.constexpr, LIMIT=0, SPLIT: tl.constexpr = 0, UT: tl.constexpr = 1):
     """o (times the gate) and the base-2 lse of tile i_t of BT tokens x the G heads of kv head i_h, over the tokens'
-    selected blocks: slot by slot, or (UNION) each block of the tile's union list once for all its rows. SPLIT: two
-    launches share the union tiles (of UT tokens), by the length of their lists: 1, the union tiles of at most LIMIT
-    blocks; 2, one token a tile (BT dividing UT), the tokens of the others, slot by slot."""
+    selected blocks: slot by slot, or (UNION) each block of the tile's union list once for all its rows. SPLIT:
+    two launches share the union tiles, by the length of their lists (_other_launch)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     BT: tl.constexpr = M // G
-    if SPLIT == 1:
-        if tl.load(cnt + i_t * H + i_h) > LIMIT:
-            return
-    if SPLIT == 2:
-        if tl.load(cnt + (i_t * BT // UT) * H + i_h) <= LIMIT:
+    if SPLIT:
+        if _other_launch(cnt, i_t, i_h, LIMIT, H, BT, SPLIT, UT):
             return
     p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, order, i_t, i_h, NT, H, G, M, D, BD,
                                                                   NS, BNS, UNION or SPLIT == 2)
@@ -234,13 +238,17 @@ def _sel_bwd_dq_kernel(q, k, v, o, do, lse, lse2, delta, dq, gate, idx, pos, ord
                        NT, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr,
-                       BOXES: tl.constexpr, GATED: tl.constexpr):
+                       BOXES: tl.constexpr, GATED: tl.constexpr, LIMIT=0, SPLIT: tl.constexpr = 0,
+                       UT: tl.constexpr = 1):
     """dq of tile i_t of BT tokens x the G heads of kv head i_h, walking the blocks as the forward does; first its
     rows' delta and lse for the dk/dv kernel (_row_stats)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     BT: tl.constexpr = M // G
+    if SPLIT:
+        if _other_launch(cnt, i_t, i_h, LIMIT, H, BT, SPLIT, UT):
+            return
     p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, order, i_t, i_h, NT, H, G, M, D, BD,
-                                                                  NS, BNS, UNION)
+                                                                  NS, BNS, UNION or SPLIT == 2)
     b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                        # [M, BDV]
     b_delta, b_lse = _row_stats(o, b_do, lse, delta, lse2, gate, t_off + hq_r, m_r, DV, BDV, GATED)  # [M] each
     b_dq = tl.zeros([M, BD], tl.float32)
@@ -252,7 +260,7 @@ def _sel_bwd_dq_kernel(q, k, v, o, do, lse, lse2, delta, dq, gate, idx, pos, ord
                              NT, H, D, DV, BD, BDV, BS, BK, BOXES)
     else:
         for f in range(BT * NS):
-            j, bos, m_row, rel_max = _slot_rows(idx, pos, order, p_r, m_r, f, i_t, i_h, NT, H, BT, BS, NS, False)
+            j, bos, m_row, rel_max = _slot_rows(idx, pos, order, p_r, m_r, f, i_t, i_h, NT, H, BT, BS, NS, SPLIT == 2)
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
                              NT, H, D, DV, BD, BDV, BS, BK, BOXES)
     store_rows(dq, t_off + hq_r, m_r, b_dq * scale, D, BD)
@@ -653,14 +661,31 @@ def _query_launch(name, G, T, width):
     """(M, union, launch kwargs) of the query-centric kernel CONFIG[name] ("fwd" or "dq"), on rows of T tokens (packed
     var-length input: their total, a bound on each) and heads width = max(D, Dv) wide; a tile holds M // G tokens,
     and union tiles need more than one. Under "auto" the forward and dq at G = 16 with heads up to 128 wide (the
-    measured shape) take CONFIG["fwd_union"] / ["dq_union"] up to UNION_MAX_T[name] tokens, where tokens share enough
-    blocks that loading each once per tile pays; on longer rows the forward keeps them where their lists are short
-    (cfg["split"] = UNION_SPLIT, see _fwd)."""
+    measured shape) take CONFIG["fwd_union"] / ["dq_union"], where tokens share enough blocks that loading each once
+    per tile pays; on rows of more than UNION_MAX_T[name] tokens they keep them only where their lists are short
+    (cfg["split"] = UNION_SPLIT[name], see _query_launches)."""
     auto = CONFIG["path"] == "auto" and G == 16 and width <= 128
-    M, union, cfg = _launch(name + "_union" if auto and (T <= UNION_MAX_T[name] or name == "fwd") else name, G)
-    if union and auto and name == "fwd" and T > UNION_MAX_T["fwd"]:
-        cfg["split"] = UNION_SPLIT
+    M, union, cfg = _launch(name + "_union" if auto else name, G)
+    if union and auto and T > UNION_MAX_T[name]:
+        cfg["split"] = UNION_SPLIT[name]
     return M, union, cfg
+
+
+def _query_launches(name, c, T, width, idx, pos, tiles, sel_block):
+    """The launches of the query-centric kernel CONFIG[name] (_query_launch): its union index (order, lst, cnt; idx
+    thrice without union tiles) and [(grid, kwargs)], two where the union tiles split (_other_launch)."""
+    NT, NS, G, H = idx.shape[0], idx.shape[2], c["G"], c["H"]
+    M, union, cfg = _query_launch(name, G, T, width)
+    split = cfg.pop("split", None)
+    order, lst, cnt = _union_index(tiles, M // G, idx, pos, sel_block) if union else (idx, idx, idx)
+    launches = [((triton.cdiv(NT, M // G), H), dict(cfg, M=M, UNION=union))]
+    if split is not None:  # the tokens of union tiles listing more than split x n blocks: in CONFIG[name]'s tiles
+        M1, _, cfg1 = _launch(name, G)
+        M1 = min(M1, M)    # tokens a tile dividing the union tiles'
+        limit = dict(LIMIT=int(split * NS), UT=M // G)
+        launches = [(launches[0][0], dict(launches[0][1], SPLIT=1, **limit)),
+                    ((triton.cdiv(NT, M1 // G), H), dict(cfg1, M=M1, UNION=False, SPLIT=2, **limit))]
+    return order, lst, cnt, launches
 
 
 def _launch(entry, G):
@@ -851,22 +876,13 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
     if key_path:
         o, lse = _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_log2)
         return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
-    M, union, cfg = _query_launch("fwd", c["G"], T, max(D, DV))
-    split = cfg.pop("split", None)                      # union tiles listing more blocks: one token a tile
-    order, lst, cnt = _union_index(tiles, M // c["G"], idx, pos, sel_block) if union else (idx, idx, idx)
+    order, lst, cnt, launches = _query_launches("fwd", c, T, max(D, DV), idx, pos, tiles, sel_block)
     o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
     kb, vb, boxes = tma_boxes(kf, vf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BDV"]])
-    args = (qf, kb, vb, o, lse, gf, idx, pos, order, lst, cnt, scale_log2, NT)
-    const = dict(NS=NS, BNS=triton.next_power_of_2(NS), BOXES=boxes, GATED=gf is not None,
-                 LIMIT=int((split or 0) * NS), **c)
-    _sel_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](*args, M=M, UNION=union, SPLIT=int(split is not None),
-                                                            **const, **cfg)
-    if split is not None:                               # each of their tokens in CONFIG["fwd"]'s tiles
-        M1, _, cfg1 = _launch("fwd", c["G"])
-        M1 = min(M1, M)                                 # tokens a tile dividing the union tiles'
-        _sel_fwd_kernel[(triton.cdiv(NT, M1 // c["G"]), c["H"])](*args, M=M1, UNION=False, SPLIT=2, UT=M // c["G"],
-                                                                 **const, **cfg1)
+    for grid, kw in launches:
+        _sel_fwd_kernel[grid](qf, kb, vb, o, lse, gf, idx, pos, order, lst, cnt, scale_log2, NT, NS=NS,
+                              BNS=triton.next_power_of_2(NS), BOXES=boxes, GATED=gf is not None, **c, **kw)
     return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
 
 
@@ -892,14 +908,12 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
         _sel_bwd_delta_kernel[(triton.cdiv(NT * HQ, 32),)](of, dof, lse.reshape(NT, HQ), delta, lse2, gf,
                                                            NT * HQ, DV=DV, BDV=c["BDV"], BR=32, GATED=gf is not None)
     else:  # query-centric dq, which writes delta and lse2 too
-        M, union, cfg = _query_launch("dq", c["G"], T, max(D, DV))
-        order, lst, cnt = _union_index(tiles, M // c["G"], idx, pos, sel_block) if union else (idx, idx, idx)
+        order, lst, cnt, launches = _query_launches("dq", c, T, max(D, DV), idx, pos, tiles, sel_block)
         kb, vb, boxes = tma_boxes(kf, vf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BDV"]])
-        _sel_bwd_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](qf, kb, vb, of, dof, lse.reshape(NT, HQ), lse2, delta,
-                                                              dq, gf, idx, pos, order, lst, cnt, scale_log2, scale,
-                                                              NT, M=M, NS=NS, BNS=triton.next_power_of_2(NS),
-                                                              UNION=union, BOXES=boxes, GATED=gf is not None, **c,
-                                                              **cfg)
+        for grid, kw in launches:
+            _sel_bwd_dq_kernel[grid](qf, kb, vb, of, dof, lse.reshape(NT, HQ), lse2, delta, dq, gf, idx, pos, order,
+                                     lst, cnt, scale_log2, scale, NT, NS=NS, BNS=triton.next_power_of_2(NS),
+                                     BOXES=boxes, GATED=gf is not None, **c, **kw)
     lse = lse2
     cfg = dict(CONFIG[_dkv_entry(key_path, c["G"], D, DV)])
     cfg.pop("chunk_rows")                                                      # in the index

@@ -146,13 +146,13 @@ def test_union_tiles_match_reference(path, rows, monkeypatch):
 
 @pytest.mark.parametrize("split", [0.0, 0.5])
 def test_union_split_matches_reference(split, monkeypatch):
-    """Past UNION_MAX_T["fwd"] the forward splits the union tiles by list length: those listing more than
+    """Past UNION_MAX_T the forward and dq split the union tiles by list length: those listing more than
     UNION_SPLIT x n blocks (all at 0; at 0.5 those of 2 or more here) run their tokens one to a tile, in a second
-    launch over the tiles' order. Every row is written once, by one of the two: o and every gradient match the
-    reference, var-length and gated."""
+    launch over the tiles' order. Every row is written once, by one of the two (the dq's also its delta and lse for
+    dk/dv): o and every gradient match the reference, var-length and gated."""
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
     monkeypatch.setattr(sel_kernel, "UNION_MAX_T", dict(fwd=16, dq=16))
-    monkeypatch.setattr(sel_kernel, "UNION_SPLIT", split)
+    monkeypatch.setattr(sel_kernel, "UNION_SPLIT", dict(fwd=split, dq=split))
     cu = torch.tensor([0, 20, 57], dtype=torch.int32)
     out, ref = run_both(1, 57, 32, 2, 16, 16, 3, 16, torch.float32, seed=16, cu_seqlens=cu, gated=True)
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
@@ -494,9 +494,9 @@ def test_auto_rule_and_bad_path(monkeypatch):
 
 def test_auto_union_rule(monkeypatch):
     """Under "auto" the forward and dq at G = 16 run union tiles (CONFIG["fwd_union"], ["dq_union"], several tokens a
-    tile) on rows of at most UNION_MAX_T[kernel] tokens with heads up to 128 wide; on longer rows the forward splits
-    its union tiles by list length (UNION_SPLIT) and the dq, like other G, wider heads and the "query" path, keeps
-    one token a tile. And the selection under "auto" at G = 16 on short rows matches the reference."""
+    tile) with heads up to 128 wide, on rows of more than UNION_MAX_T[kernel] tokens split by list length
+    (UNION_SPLIT[kernel]); other G, wider heads and the "query" path keep one token a tile. And the selection under
+    "auto" at G = 16 on short rows matches the reference."""
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
     for name in ("fwd", "dq"):
         T = sel_kernel.UNION_MAX_T[name]
@@ -504,8 +504,8 @@ def test_auto_union_rule(monkeypatch):
         assert union and M // 16 > 1 and "split" not in cfg, name
         for G, t, width in ((16, T + 1, 128), (12, T, 128), (32, T, 128), (16, T, 192)):
             M, union, cfg = sel_kernel._query_launch(name, G, t, width)
-            if name == "fwd" and G == 16 and width == 128:                   # longer rows: split by list length
-                assert union and cfg["split"] == sel_kernel.UNION_SPLIT
+            if G == 16 and width == 128:                                     # longer rows: split by list length
+                assert union and cfg["split"] == sel_kernel.UNION_SPLIT[name]
             else:
                 assert not union and M // G == 1, (name, G, t, width)
     out, ref = run_both(1, 70, 32, 2, 16, 16, 3, 16, torch.float32, seed=21, gated=True)
