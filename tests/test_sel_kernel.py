@@ -627,6 +627,20 @@ def test_union_tiles_gated_gpu(path, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [0.0, 1.25])
+def test_union_split_gated_gpu(split, monkeypatch):
+    """bf16: the forward's and dq's union tiles split by list length (all tiles at 0; at 1.25 n the tiles of the
+    first tokens stay union tiles, which list fewer blocks), var-length and gated, match the fp32 reference."""
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
+    monkeypatch.setattr(sel_kernel, "UNION_MAX_T", dict(fwd=16, dq=16))
+    monkeypatch.setattr(sel_kernel, "UNION_SPLIT", dict(fwd=split, dq=split))
+    cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
+    out, ref = run_both(1, 2000, 64, 4, 128, 128, 16, 64, torch.bfloat16, device="cuda", cu_seqlens=cu, gated=True)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
+        assert rel_rmse(a, b) <= 1e-2, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("path", ["key"], indirect=True)
 def test_key_path_windows_gated_gpu(path, monkeypatch):
     """bf16: the key path over several token windows (300 tokens each, cutting the sequences) with a gate matches the
