@@ -51,7 +51,7 @@ KEY_WINDOW_ROWS = 2 ** 23  # key path: per-pair partial rows (token x query head
 CONFIG = {
     "fwd": dict(rows=16, union=False, num_warps=1, num_stages=2),
     "dq": dict(rows=16, union=False, num_warps=2, num_stages=3),
-    "fwd_union": dict(rows=64, union=True, num_warps=4, num_stages=3),  # "auto"'s forward at G = 16 (UNION_MAX_T)
+    "fwd_union": dict(rows=64, union=True, num_warps=4, num_stages=3),  # "auto"'s forward at G = 16 (UNION_SPLIT)
     "dq_union": dict(rows=64, union=True, num_warps=4, num_stages=2),  # and its dq
     "dkv": dict(rows=64, chunk_rows=16384, num_warps=4, num_stages=3),
     "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by G
