@@ -508,6 +508,7 @@ def selection_sweep(trained, source):
                    for w, s in ((2, 2), (2, 3), (4, 2))],
             "dkv": [dict(rows=r, chunk_rows=16384, num_warps=w, num_stages=s)
                     for r, w, s in ((64, 4, 2), (64, 4, 3), (128, 8, 2))],
+            "dq_ds": [dict(num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2))],
             key_fwd: [dict(rows=r, num_warps=w, num_stages=s)
                       for r, w, s in ((64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (256, 8, 2))]
             + [dict(rows=64, num_warps=4, num_stages=3, maxnreg=128)],
@@ -516,7 +517,7 @@ def selection_sweep(trained, source):
                                          (128, 8192, 8, 3), (128, 4096, 8, 3), (128, 2048, 8, 3))],
             "key_sum": [dict(rows=r, num_warps=w) for r, w in ((4, 4), (8, 2), (8, 4), (16, 4), (16, 8), (32, 8))]}
     ops = {"fwd": [("fwd", on("query", f))], "dq": [("fwd+bwd", on("query", fb))],
-           "dkv": [("fwd+bwd", on("query", fb))], key_fwd: [("fwd", on("key", f))],
+           "dkv": [("fwd+bwd", on("query", fb))], "dq_ds": [("fwd+bwd", on("query", fb))], key_fwd: [("fwd", on("key", f))],
            key_bwd: [("fwd+bwd", on("key", fb))], "key_sum": [("fwd+bwd", on("key", fb))]}
     sweep_configs(f"selection sweep T={T} HQ={HQ} H={H} indices={source}: ms under each config of one kernel",
                   sel_kernel.CONFIG, grid, ops)

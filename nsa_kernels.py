@@ -107,20 +107,24 @@ def store_rows(ptr, rows, m, x, D: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def key_tile(k, v, k0, k_end, i_h, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
-             BDV: tl.constexpr, BN: tl.constexpr, BOXES: tl.constexpr):
-    """K [BN, BD] and V [BN, BDV] of the packed keys k0 .. k0 + BN - 1 of kv head i_h: with BOXES (tma_boxes of
-    [BN, 1, BD | BDV]) one box each, all BN keys (zeros past the arrays' ends); else by pointers, zeros from key
+def key_rows(k, k0, k_end, i_h, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+             BOXES: tl.constexpr):
+    """[BN, BD] tile of the packed keys (or values) k0 .. k0 + BN - 1 of kv head i_h: with BOXES (a tma_boxes
+    descriptor of [BN, 1, BD]) one box, all BN rows (zeros past the array's end); else by pointers, zeros from row
     k_end on."""
     if BOXES:
         b_k = k.load([k0, i_h, 0]).reshape(BN, BD)
-        b_v = v.load([k0, i_h, 0]).reshape(BN, BDV)
     else:
         c = k0 + tl.arange(0, BN)
-        k_off = c.to(tl.int64) * H + i_h
-        b_k = load_rows(k, k_off, c < k_end, D, BD)
-        b_v = load_rows(v, k_off, c < k_end, DV, BDV)
-    return b_k, b_v
+        b_k = load_rows(k, c.to(tl.int64) * H + i_h, c < k_end, D, BD)
+    return b_k
+
+
+@triton.jit
+def key_tile(k, v, k0, k_end, i_h, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+             BDV: tl.constexpr, BN: tl.constexpr, BOXES: tl.constexpr):
+    """K [BN, BD] and V [BN, BDV] of the packed keys k0 .. k0 + BN - 1 of kv head i_h (key_rows)."""
+    return key_rows(k, k0, k_end, i_h, H, D, BD, BN, BOXES), key_rows(v, k0, k_end, i_h, H, DV, BDV, BN, BOXES)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse, gate_out, group_rows, head_sizes,
-                         key_tile, launch_entry, load_rows, pack, pack_gate, sequences, softmax_finish,
+                         key_rows, key_tile, launch_entry, load_rows, pack, pack_gate, sequences, softmax_finish,
                          softmax_rescale, softmax_step, sort_rows, store_rows, tile_m, tile_rows, tma_boxes)
 
 # Layout of the work (NT = all packed tokens, H kv heads, G = HQ / H query heads per kv head, l' = sel_block, n slots):
@@ -32,6 +32,11 @@ from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse,
 #   each list is cut into chunks of CONFIG's chunk_rows query rows (shorter on short inputs, so the grid fills the
 #   GPU) so block 0 (selected by every token) does not serialise the launch; each chunk writes an fp32 partial
 #   dK/dV tile and a reduction kernel adds a block's partials in chunk order. No atomics.
+# - the query path's backward runs the dk/dv first where its score gradients ds = p * (dp - delta) fit in
+#   DS_MAX_BYTES: it writes them (one row of l' per pair and query head), and the dq kernel that follows reads them
+#   in the dq's tiles, one dot ds @ K per block, with no V to load and no softmax to recompute (_sel_ds_dq_kernel;
+#   the same bits as recomputing them). Else the dq kernel recomputes them and runs first (it writes the delta
+#   and lse that dk/dv read).
 # - CONFIG["path"] = "key" (or "auto" at small G): a key-centric forward instead (its own section), whose backward is
 #   the dk/dv kernel writing dq partials too (no query-centric dq pass). Its per-pair partials are held for one token
 #   window at a time (KEY_WINDOW_ROWS): each window gets the reverse index of its own pairs, and dk/dv add up over
@@ -42,6 +47,7 @@ from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse,
 #   binary search at the granularity of blocks and chunks (no pass over the pairs but the sort).
 # The file reads: inner loops -> kernels -> host launchers (_fwd, _bwd) -> ops -> selection_attention_triton.
 
+DS_MAX_BYTES = 2 ** 30  # query path: dq from the dk/dv kernel's score gradients while they take at most this much
 KEY_WINDOW_ROWS = 2 ** 23  # key path: per-pair partial rows (token x query head x slot x sub-block) held at once;
 #                            more tokens run in token windows of this many rows (2 GiB of bf16 partials at Dv = 128)
 # launch parameters per kernel, picked on one H100 with bench.py's launch sweep (which may override them);
@@ -54,6 +60,7 @@ CONFIG = {
     "fwd_union": dict(rows=64, union=True, num_warps=4, num_stages=3),  # "auto"'s forward at G = 16 (UNION_SPLIT)
     "dq_union": dict(rows=64, union=True, num_warps=4, num_stages=2),  # and its dq
     "dkv": dict(rows=64, chunk_rows=16384, num_warps=4, num_stages=3),
+    "dq_ds": dict(num_warps=4, num_stages=2),  # the dq from the score gradients (DS_MAX_BYTES), in the dq's tiles
     "path": "auto",  # "query" (above), "key" (the key-centric forward) or "auto": _key_path's rule by G
     "key_fwd": dict(rows=64, num_warps=4, num_stages=3),  # its chunks are key_bwd's (one reverse index)
     "key_fwd_small_d": dict(rows=64, num_warps=4, num_stages=3, maxnreg=128),  # heads <= SMALL_D, as nsa_kernels'
@@ -103,10 +110,10 @@ def _union_rows(lst, b_start, m_r, t_r, f, i_t, i_h, H: tl.constexpr, BT: tl.con
 
 
 @triton.jit
-def _query_tile(q, idx, pos, order, i_t, i_h, NT, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
-                D: tl.constexpr, BD: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
+def _query_tile(idx, pos, order, i_t, i_h, NT, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
+                NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr):
     """Tile i_t of M // G tokens x the G heads of kv head i_h: each row's token inside the tile, row mask, token
-    offset and head (tile_rows), position and sequence start, the Q tile [M, BD] and the tokens' block ids [M, BNS].
+    offset and head (tile_rows), position and sequence start, and the tokens' block ids [M, BNS].
     Tile i_t holds tokens i_t * M // G onwards, or (UNION) those at these places of order[i_h] (union_tiles)."""
     p_r, g_r, m_g = group_rows(M, G)                      # [M] token of each row inside the tile, head in the group
     t_r = i_t * (M // G) + p_r                            # [M] global token (UNION: its place in order)
@@ -118,7 +125,7 @@ def _query_tile(q, idx, pos, order, i_t, i_h, NT, H: tl.constexpr, G: tl.constex
     o_s = tl.arange(0, BNS)
     b_idx = tl.load(idx + (t_r.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :],
                     mask=m_t[:, None] & (o_s < NS)[None, :], other=-1)      # [M, BNS]
-    return p_r, m_r, t_off, hq_r, rel_r, t_r - rel_r, load_rows(q, t_off + hq_r, m_r, D, BD), b_idx
+    return p_r, m_r, t_off, hq_r, rel_r, t_r - rel_r, b_idx
 
 
 @triton.jit
@@ -172,8 +179,9 @@ def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, order, lst, cnt, scale_log2
     if SPLIT:
         if _other_launch(cnt, i_t, i_h, LIMIT, H, BT, SPLIT, UT):
             return
-    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, order, i_t, i_h, NT, H, G, M, D, BD,
-                                                                  NS, BNS, UNION or SPLIT == 2)
+    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_idx = _query_tile(idx, pos, order, i_t, i_h, NT, H, G, M, NS, BNS,
+                                                             UNION or SPLIT == 2)
+    b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                             # [M, BD]
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BDV], tl.float32)
@@ -212,7 +220,7 @@ def _row_stats(o, b_do, lse, delta, lse2, gate, rows, m, DV: tl.constexpr, BDV: 
 @triton.jit
 def _sel_bwd_delta_kernel(o, do, lse, delta, lse2, gate, NR, DV: tl.constexpr, BDV: tl.constexpr, BR: tl.constexpr,
                           GATED: tl.constexpr):
-    """_row_stats of every row, for the key path (the query path's dq kernel computes its own)."""
+    """_row_stats of every row, where the dk/dv kernel runs first (the recomputing dq kernel computes its own)."""
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     m_r = o_r < NR
     _row_stats(o, load_rows(do, o_r, m_r, DV, BDV), lse, delta, lse2, gate, o_r, m_r, DV, BDV, GATED)
@@ -247,8 +255,9 @@ def _sel_bwd_dq_kernel(q, k, v, o, do, lse, lse2, delta, dq, gate, idx, pos, ord
     if SPLIT:
         if _other_launch(cnt, i_t, i_h, LIMIT, H, BT, SPLIT, UT):
             return
-    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_q, b_idx = _query_tile(q, idx, pos, order, i_t, i_h, NT, H, G, M, D, BD,
-                                                                  NS, BNS, UNION or SPLIT == 2)
+    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_idx = _query_tile(idx, pos, order, i_t, i_h, NT, H, G, M, NS, BNS,
+                                                             UNION or SPLIT == 2)
+    b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                             # [M, BD]
     b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                        # [M, BDV]
     b_delta, b_lse = _row_stats(o, b_do, lse, delta, lse2, gate, t_off + hq_r, m_r, DV, BDV, GATED)  # [M] each
     b_dq = tl.zeros([M, BD], tl.float32)
@@ -263,6 +272,50 @@ def _sel_bwd_dq_kernel(q, k, v, o, do, lse, lse2, delta, dq, gate, idx, pos, ord
             j, bos, m_row, rel_max = _slot_rows(idx, pos, order, p_r, m_r, f, i_t, i_h, NT, H, BT, BS, NS, SPLIT == 2)
             b_dq = _dq_inner(b_dq, b_q, b_do, b_lse, b_delta, k, v, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
                              NT, H, D, DV, BD, BDV, BS, BK, BOXES)
+    store_rows(dq, t_off + hq_r, m_r, b_dq * scale, D, BD)
+
+
+@triton.jit
+def _ds_rows(t_r, i_h, slot, hq_r, H: tl.constexpr, G: tl.constexpr, NS: tl.constexpr):
+    """Rows of the score gradients that the dk/dv kernel writes (WRITE_DS) for tokens t_r, kv head i_h, slots and
+    query heads hq_r: (token, kv head, slot, head in the group), so that a pair's G rows lie together."""
+    return ((t_r.to(tl.int64) * H + i_h) * NS + slot) * G + hq_r - i_h * G
+
+
+@triton.jit
+def _sel_ds_dq_kernel(k, ds, dq, idx, pos, order, lst, cnt, scale, NT, H: tl.constexpr, G: tl.constexpr,
+                      M: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                      BSP: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr,
+                      BOXES: tl.constexpr):
+    """dq of tile i_t of BT tokens x the G heads of kv head i_h from the score gradients ds that the dk/dv kernel
+    wrote (WRITE_DS): dq = scale * sum over the tokens' blocks of ds [M, l'] @ K, walking the blocks as the forward
+    does (UNION: each block of the union list once). No softmax to recompute and no V to load."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    BT: tl.constexpr = M // G
+    p_r, m_r, t_off, hq_r, rel_r, bos_r, b_idx = _query_tile(idx, pos, order, i_t, i_h, NT, H, G, M, NS, BNS, UNION)
+    o_s = tl.arange(0, BNS)
+    b_start = tl.where(b_idx >= 0, bos_r[:, None] + b_idx * BS, -1)                       # [M, BNS]
+    b_dq = tl.zeros([M, BD], tl.float32)
+    if UNION:
+        n_f = tl.load(cnt + i_t * H + i_h)
+    else:
+        n_f = BT * NS
+    for f in range(n_f):
+        if UNION:   # entry f: a block, the rows whose token chose it, the slot it has there, the keys they read
+            u0, m_row, _, rel_max = _union_rows(lst, b_start, m_r, bos_r + rel_r, f, i_t, i_h, H, BT, NS)
+            slot = tl.max(tl.where(b_start == u0, o_s[None, :], 0), 1)                    # [M]
+            k_end = u0 + rel_max + 1
+        else:       # slot f % n of the tile's token f // n
+            j, bos, m_row, rel_max = _slot_rows(idx, pos, order, p_r, m_r, f, i_t, i_h, NT, H, BT, BS, NS, False)
+            u0, slot, k_end = bos + j * BS, f % NS, bos + rel_max + 1
+        ds_row = _ds_rows(bos_r + rel_r, i_h, slot, hq_r, H, G, NS)                      # [M]
+        used = rel_max >= 0
+        for kc in tl.static_range(0, BS, BK):
+            b_k = key_rows(k, tl.where(used, u0 + kc, NT), tl.where(used, k_end, 0), i_h, H, D, BD, BK, BOXES)
+            o_k = kc + tl.arange(0, BK)
+            b_ds = tl.load(ds + ds_row[:, None] * BSP + o_k[None, :], mask=m_row[:, None] & (o_k < BS)[None, :],
+                           other=0.)                                                      # [M, BK]
+            b_dq += tl.dot(b_ds, b_k)
     store_rows(dq, t_off + hq_r, m_r, b_dq * scale, D, BD)
 
 
@@ -309,12 +362,14 @@ def _key_pairs(q, perm, pos, e, e1, i_h, T0, H: tl.constexpr, G: tl.constexpr, M
 
 
 @triton.jit
-def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part, dq_part, pos,
+def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part, dq_part, ds, pos,
                         scale_log2, scale, NT, T0, H: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
                         DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-                        BSP: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr, WRITE_DQ: tl.constexpr):
+                        BSP: tl.constexpr, NKC: tl.constexpr, NS: tl.constexpr, WRITE_DQ: tl.constexpr,
+                        WRITE_DS: tl.constexpr):
     """The dk/dv partial of one chunk x key sub-block; WRITE_DQ (key-centric path): also each (pair, sub-block)'s dq
-    partial ds @ k, which _sel_key_dq_kernel sums per token."""
+    partial ds @ k, which _sel_key_dq_kernel sums per token; WRITE_DS (query path): also each pair row's score
+    gradient ds (a row of BSP, the block's keys), from which _sel_ds_dq_kernel computes dq."""
     i_c, i_kc = tl.program_id(0), tl.program_id(1)
     e0, e1, i_h, rel_k, m_k, b_k, b_v = _key_block(k, v, pos, c_begin, c_end, c_key, i_c, i_kc, NT,
                                                    H, D, DV, BD, BDV, BS, BK)
@@ -334,6 +389,9 @@ def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, perm, c_begin, c_end, c_key, dk
         b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)                   # [BK, BD]
         if WRITE_DQ:
             store_rows(dq_part, pr * NKC + i_kc, m_r, tl.dot(b_ds.to(b_k.dtype), b_k) * scale, D, BD)  # [M, BD]
+        if WRITE_DS:
+            store_rows(ds + i_kc * BK, _ds_rows(t_r, i_h, pr % NS, hq_r, H, G, NS), m_r, tl.where(m_s, b_ds, 0.),
+                       BSP, BK)                                             # [M, BK], 0 where p is
     part = i_c.to(tl.int64) * BSP + i_kc * BK + tl.arange(0, BK)            # [BK] rows of the partials, all stored
     store_rows(dk_part, part, tl.full([BK], 1, tl.int1), b_dk * scale, D, BD)
     store_rows(dv_part, part, tl.full([BK], 1, tl.int1), b_dv, DV, BDV)
@@ -904,7 +962,12 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)    # dgate too, with a gate
     lse2 = torch.empty_like(delta)                                        # lse as the kernels below read it
     dq = torch.empty_like(qf)
-    if key_path:  # the key-centric path gets dq from the dk/dv kernel's partials
+    c_kv, NKC = _key_tiles(c, sel_block)
+    BSP = NKC * c_kv["BK"]
+    ds = None  # the query path's score gradients, a row of BSP per (token, kv head, slot, head), where they fit
+    if not key_path and NT * HQ * NS * BSP * q.element_size() <= DS_MAX_BYTES:
+        ds = torch.empty(NT * HQ * NS, BSP, device=q.device, dtype=q.dtype)
+    if key_path or ds is not None:  # dq from the dk/dv kernel's partials or score gradients, after it
         _sel_bwd_delta_kernel[(triton.cdiv(NT * HQ, 32),)](of, dof, lse.reshape(NT, HQ), delta, lse2, gf,
                                                            NT * HQ, DV=DV, BDV=c["BDV"], BR=32, GATED=gf is not None)
     else:  # query-centric dq, which writes delta and lse2 too
@@ -917,9 +980,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     lse = lse2
     cfg = dict(CONFIG[_dkv_entry(key_path, c["G"], D, DV)])
     cfg.pop("chunk_rows")                                                      # in the index
-    c_kv, NKC = _key_tiles(c, sel_block)
     M = tile_m(cfg.pop("rows"), c["G"])
-    BSP = NKC * c_kv["BK"]
     dq_part = torch.empty(rows, D, device=q.device, dtype=q.dtype) if key_path else None
     M_sum, sum_cfg = _sum_launch(c["G"], NS, NKC)
     dk, dv = torch.empty_like(kf), torch.empty_like(vf)
@@ -930,8 +991,8 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
         dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
         dv_part = torch.empty(NC, BSP, DV, device=q.device, dtype=torch.float32)
         _sel_bwd_dkv_kernel[(NC, NKC)](qf, kf, vf, dof, lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part,
-                                       dq_part, pos, scale_log2, scale, NT, t0, M=M, BSP=BSP, NKC=NKC, NS=NS,
-                                       WRITE_DQ=key_path, **c_kv, **cfg)
+                                       dq_part, ds, pos, scale_log2, scale, NT, t0, M=M, BSP=BSP, NKC=NKC, NS=NS,
+                                       WRITE_DQ=key_path, WRITE_DS=ds is not None, **c_kv, **cfg)
         if key_path:
             _sel_key_dq_kernel[(triton.cdiv(t1 - t0, M_sum // c["G"]), H)](dq_part, idx, dq, t0, t1, H=H, G=c["G"],
                                                                           M=M_sum, D=D, BD=c["BD"], NS=NS, NKC=NKC,
@@ -940,6 +1001,15 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
         _sel_bwd_reduce_kernel[(triton.cdiv(NT, 32), H)](dk_part, dv_part, dk_sum, dv_sum, pos, seq, seg_c0, seg_c1,
                                                          NT, NB, H=H, D=D, DV=DV, BD=c["BD"], BDV=c["BDV"],
                                                          BS=sel_block, BSP=BSP, BR=32, ADD=t0 > 0)
+    if ds is not None:
+        M, union, _ = _query_launch("dq", c["G"], T, max(D, DV))    # the dq's tiles, its union tiles unsplit
+        order, lst, cnt = _union_index(tiles, M // c["G"], idx, pos, sel_block) if union else (idx, idx, idx)
+        kb, _, boxes = tma_boxes(kf, kf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BD"]])
+        _sel_ds_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](kb, ds, dq, idx, pos, order, lst, cnt, scale, NT, H=H,
+                                                            G=c["G"], M=M, D=D, BD=c["BD"], BS=sel_block,
+                                                            BK=c["BK"], BSP=BSP, NS=NS,
+                                                            BNS=triton.next_power_of_2(NS), UNION=union, BOXES=boxes,
+                                                            **CONFIG["dq_ds"])
     if dk_sum is not dk:
         dk.copy_(dk_sum)
         dv.copy_(dv_sum)

@@ -180,7 +180,7 @@ def test_selection_sweep_times_each_kernel_on_its_path(bench, monkeypatch, capsy
     lines = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
     key_fwd, key_bwd = (nsa_kernels.launch_entry(n, bench.HQ // bench.H, max(bench.D, bench.Dv), sel_kernel.CONFIG)
                         for n in ("key_fwd", "key_bwd"))  # at this shape
-    assert len(lines) == len(seen) and {"fwd", "dq", "dkv", key_fwd, key_bwd, "key_sum"} == set(lines)
+    assert len(lines) == len(seen) and {"fwd", "dq", "dkv", "dq_ds", key_fwd, key_bwd, "key_sum"} == set(lines)
     for kname, (path, cfg) in zip(lines, seen):
         assert path == ("key" if kname.startswith("key") else "query")
         changed = {k for k in cfg if cfg[k] != before[k]}

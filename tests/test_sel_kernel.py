@@ -55,8 +55,12 @@ def run_both(B, T, HQ, H, D, DV, n, sel_block, dtype, device="cpu", seed=0, cu_s
 @pytest.fixture(params=["query", "key"])
 def path(request, monkeypatch):
     """The selection path under test (sel_kernel.CONFIG["path"]); on CPU the key-centric one with 16-row tiles and
-    32-row chunks, so a block's list of pairs spans several chunks and tiles."""
-    monkeypatch.setitem(sel_kernel.CONFIG, "path", request.param)
+    32-row chunks, so a block's list of pairs spans several chunks and tiles. "recompute" (asked for by name): the
+    query path whose dq kernel recomputes the score gradients (DS_MAX_BYTES = 0) instead of reading those that the
+    dk/dv kernel wrote, which "query" does at these sizes."""
+    if request.param == "recompute":
+        monkeypatch.setattr(sel_kernel, "DS_MAX_BYTES", 0)
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", "query" if request.param == "recompute" else request.param)
     if request.param == "key" and not CUDA:
         for name in ("key_fwd", "key_fwd_small_d"):
             monkeypatch.setitem(sel_kernel.CONFIG, name, dict(sel_kernel.CONFIG[name], rows=16))
@@ -89,9 +93,10 @@ CPU_CASES = {
     "G1-D160-2subblocks-T70-fp32": (1, 70, 2, 2, 160, 32, 3, 64, torch.float32),
     "G2-D20-unaligned-rows-fp16": (1, 33, 4, 2, 20, 20, 2, 16, torch.float16),  # 40-byte rows: pointer loads
 }
-# G = 16 on the query path only (the key path is for small G); sub-blocks on the key path only (its forward splits)
-NOT_ON = {"key": {"G16-D32-Dv64-T30-fp16"}, "query": {"G1-D160-2subblocks-T70-fp32"}}
-CPU_RUNS = [(path, name) for name in CPU_CASES for path in ("query", "key") if name not in NOT_ON[path]]
+# G = 16 on the query paths only (the key path is for small G); the recomputing dq never meets sub-blocks (the
+# dk/dv's score gradients do)
+NOT_ON = {"key": {"G16-D32-Dv64-T30-fp16"}, "query": set(), "recompute": {"G1-D160-2subblocks-T70-fp32"}}
+CPU_RUNS = [(path, name) for name in CPU_CASES for path in ("query", "recompute", "key") if name not in NOT_ON[path]]
 
 
 @pytest.mark.parametrize("path,case", [(path, CPU_CASES[name]) for path, name in CPU_RUNS], indirect=["path"],
@@ -145,18 +150,43 @@ def test_union_tiles_match_reference(path, rows, monkeypatch):
 
 
 @pytest.mark.parametrize("split", [0.0, 0.5])
-def test_union_split_matches_reference(split, monkeypatch):
+@pytest.mark.parametrize("ds", [False, True])
+def test_union_split_matches_reference(split, ds, monkeypatch):
     """Past UNION_MAX_T the forward and dq split the union tiles by list length: those listing more than
     UNION_SPLIT x n blocks (all at 0; at 0.5 those of 2 or more here) run their tokens one to a tile, in a second
     launch over the tiles' order. Every row is written once, by one of the two (the dq's also its delta and lse for
-    dk/dv): o and every gradient match the reference, var-length and gated."""
+    dk/dv): o and every gradient match the reference, var-length and gated. With ds, the dq reads the dk/dv's score
+    gradients in whole union tiles instead (no split)."""
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
+    if not ds:
+        monkeypatch.setattr(sel_kernel, "DS_MAX_BYTES", 0)
     monkeypatch.setattr(sel_kernel, "UNION_MAX_T", dict(fwd=16, dq=16))
     monkeypatch.setattr(sel_kernel, "UNION_SPLIT", dict(fwd=split, dq=split))
     cu = torch.tensor([0, 20, 57], dtype=torch.int32)
     out, ref = run_both(1, 57, 32, 2, 16, 16, 3, 16, torch.float32, seed=16, cu_seqlens=cu, gated=True)
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
         assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_dq_from_score_gradients_equals_recomputed(auto, monkeypatch):
+    """The query path's dq from the score gradients that the dk/dv kernel wrote is the recomputing dq kernel's, bit
+    for bit (the same ds, summed over the same blocks in the same order), slot by slot and (auto at G = 16) in union
+    tiles; var-length and gated. And the rule: score gradients while they take at most DS_MAX_BYTES."""
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto" if auto else "query")
+    launches, kernel = [], sel_kernel._sel_ds_dq_kernel
+    monkeypatch.setattr(sel_kernel, "_sel_ds_dq_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: launches.append(grid) or kernel[grid]})())
+    cu = torch.tensor([0, 20, 57], dtype=torch.int32)
+    HQ, n, l, D = 32, 3, 16, 16
+    need = 57 * HQ * n * l * 4                       # bytes of the score gradients: fp32, one row of l' a pair row
+    runs = {}
+    for budget in (need, need - 1):
+        monkeypatch.setattr(sel_kernel, "DS_MAX_BYTES", budget)
+        runs[budget], _ = run_both(1, 57, HQ, 2, D, D, n, l, torch.float32, seed=17, cu_seqlens=cu, gated=True)
+    assert len(launches) == 1                          # only the run whose score gradients fit the budget
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), runs[need], runs[need - 1]):
+        assert torch.equal(a, b), name
 
 
 def test_union_tiles():
@@ -282,6 +312,7 @@ def test_varlen_never_reads_the_next_sequence(path):
         assert rel_rmse(a[:, :40], b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a[:, :40], b):.2e}"
 
 
+@pytest.mark.parametrize("path", ["query", "recompute", "key"], indirect=True)
 def test_no_unwritten_outputs_nan_poison(path, monkeypatch):
     """Every buffer the op allocates (partials included) starts as NaN (ints as their most negative value): the
     outputs, the saved lse and the grads must still be finite and right, so no unwritten element is ever read."""
@@ -314,7 +345,8 @@ def test_deterministic_two_runs_bit_identical(path):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("path,loads", [("query", "boxes"), ("query", "pointers"), ("key", "boxes")],
+@pytest.mark.parametrize("path,loads", [("query", "boxes"), ("query", "pointers"), ("recompute", "pointers"),
+                                        ("key", "boxes")],
                          indirect=["path"])
 def test_out_of_range_and_repeated_ids_ignored_no_future_reads(path, loads, monkeypatch):
     """Ids past t // l', below -1, far outside the tensor, or repeated change nothing; NaN keys after the first half
@@ -631,8 +663,9 @@ def test_union_tiles_gated_gpu(path, monkeypatch):
 def test_union_split_gated_gpu(split, monkeypatch):
     """bf16: the forward's and dq's union tiles split by list length (all tiles at 0; at 0.5 n those listing more
     than 8 blocks, whose tokens sit past about position 512, while earlier ones stay union tiles), var-length and
-    gated, match the fp32 reference."""
+    gated, match the fp32 reference. (The dq recomputes its score gradients here: it splits only then.)"""
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
+    monkeypatch.setattr(sel_kernel, "DS_MAX_BYTES", 0)
     monkeypatch.setattr(sel_kernel, "UNION_MAX_T", dict(fwd=16, dq=16))
     monkeypatch.setattr(sel_kernel, "UNION_SPLIT", dict(fwd=split, dq=split))
     cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
