@@ -47,7 +47,8 @@ from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse,
 #   binary search at the granularity of blocks and chunks (no pass over the pairs but the sort).
 # The file reads: inner loops -> kernels -> host launchers (_fwd, _bwd) -> ops -> selection_attention_triton.
 
-DS_MAX_BYTES = 2 ** 30  # query path: dq from the dk/dv kernel's score gradients while they take at most this much
+DS_MAX_BYTES = 2 ** 31  # query path: dq from the dk/dv kernel's score gradients while they take at most this much
+#                         (2 GiB, as the key path's partials; T = 16k at HQ = 64, n = 16, l' = 64 in bf16)
 KEY_WINDOW_ROWS = 2 ** 23  # key path: per-pair partial rows (token x query head x slot x sub-block) held at once;
 #                            more tokens run in token windows of this many rows (2 GiB of bf16 partials at Dv = 128)
 # launch parameters per kernel, picked on one H100 with bench.py's launch sweep (which may override them);
