@@ -501,6 +501,15 @@ def selection_sweep(trained, source):
                 return fn()
         return run
 
+    def ds(fn):  # fn with the dq from the dk/dv's score gradients, whatever they take at this T
+        def run():
+            limit, sel_kernel.DS_MAX_BYTES = sel_kernel.DS_MAX_BYTES, float("inf")
+            try:
+                return fn()
+            finally:
+                sel_kernel.DS_MAX_BYTES = limit
+        return run
+
     key_fwd, key_bwd = (nsa_kernels.launch_entry(n, HQ // H, max(D, Dv), sel_kernel.CONFIG)  # this shape's
                         for n in ("key_fwd", "key_bwd"))
     grid = {"fwd": [dict(rows=16, union=u, num_warps=w, num_stages=2) for u in (True, False) for w in (1, 2, 4)],
@@ -517,8 +526,9 @@ def selection_sweep(trained, source):
                                          (128, 8192, 8, 3), (128, 4096, 8, 3), (128, 2048, 8, 3))],
             "key_sum": [dict(rows=r, num_warps=w) for r, w in ((4, 4), (8, 2), (8, 4), (16, 4), (16, 8), (32, 8))]}
     ops = {"fwd": [("fwd", on("query", f))], "dq": [("fwd+bwd", on("query", fb))],
-           "dkv": [("fwd+bwd", on("query", fb))], "dq_ds": [("fwd+bwd", on("query", fb))], key_fwd: [("fwd", on("key", f))],
-           key_bwd: [("fwd+bwd", on("key", fb))], "key_sum": [("fwd+bwd", on("key", fb))]}
+           "dkv": [("fwd+bwd", on("query", fb))], "dq_ds": [("fwd+bwd", on("query", ds(fb)))],
+           key_fwd: [("fwd", on("key", f))], key_bwd: [("fwd+bwd", on("key", fb))],
+           "key_sum": [("fwd+bwd", on("key", fb))]}
     sweep_configs(f"selection sweep T={T} HQ={HQ} H={H} indices={source}: ms under each config of one kernel",
                   sel_kernel.CONFIG, grid, ops)
 
