@@ -130,6 +130,14 @@ def _query_tile(idx, pos, order, i_t, i_h, NT, H: tl.constexpr, G: tl.constexpr,
 
 
 @triton.jit
+def _block_rows(j, bos, rel_max, kc, NT, BS: tl.constexpr):
+    """The packed row of key kc of selected block j (of the sequence starting at token bos) and the row its reading
+    stops at (rel_max: the largest position that reads it); row NT and 0 (nothing) for a block no row uses."""
+    used = rel_max >= 0
+    return tl.where(used, bos + j * BS + kc, NT), tl.where(used, bos + rel_max + 1, 0)
+
+
+@triton.jit
 def _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h, NT, H: tl.constexpr,
                 D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr,
                 BK: tl.constexpr, BOXES: tl.constexpr):
@@ -139,8 +147,7 @@ def _block_keys(b_q, k, v, j, bos, m_row, rel_r, rel_max, kc, scale_log2, i_h, N
     BK keys come whole (see "Masks"); else by pointers, none past rel_max."""
     u = j * BS + kc + tl.arange(0, BK)                                      # [BK] key positions (relative)
     m_k = (kc + tl.arange(0, BK) < BS) & (u >= 0) & (u <= rel_max)          # none when no row uses j
-    used = rel_max >= 0
-    row, k_end = tl.where(used, bos + j * BS + kc, NT), tl.where(used, bos + rel_max + 1, 0)  # unused: nothing
+    row, k_end = _block_rows(j, bos, rel_max, kc, NT, BS)
     b_k, b_v = key_tile(k, v, row, k_end, i_h, H, D, DV, BD, BDV, BK, BOXES)  # [BK, BD], [BK, BDV]
     b_s = tl.dot(b_q, tl.trans(b_k))                                        # [M, BK]
     return b_k, b_v, b_s, m_row[:, None] & m_k[None, :] & (u[None, :] <= rel_r[:, None])  # causal inside the block
@@ -302,17 +309,16 @@ def _sel_ds_dq_kernel(k, ds, dq, idx, pos, order, lst, cnt, scale, NT, H: tl.con
     else:
         n_f = BT * NS
     for f in range(n_f):
-        if UNION:   # entry f: a block, the rows whose token chose it, the slot it has there, the keys they read
-            u0, m_row, _, rel_max = _union_rows(lst, b_start, m_r, bos_r + rel_r, f, i_t, i_h, H, BT, NS)
-            slot = tl.max(tl.where(b_start == u0, o_s[None, :], 0), 1)                    # [M]
-            k_end = u0 + rel_max + 1
+        if UNION:   # entry f: a block (at u0), the rows whose token chose it and the slot it has there
+            bos, m_row, _, rel_max = _union_rows(lst, b_start, m_r, bos_r + rel_r, f, i_t, i_h, H, BT, NS)
+            j, slot = 0, tl.max(tl.where(b_start == bos, o_s[None, :], 0), 1)            # [M]
         else:       # slot f % n of the tile's token f // n
             j, bos, m_row, rel_max = _slot_rows(idx, pos, order, p_r, m_r, f, i_t, i_h, NT, H, BT, BS, NS, False)
-            u0, slot, k_end = bos + j * BS, f % NS, bos + rel_max + 1
+            slot = f % NS
         ds_row = _ds_rows(bos_r + rel_r, i_h, slot, hq_r, H, G, NS)                      # [M]
-        used = rel_max >= 0
         for kc in tl.static_range(0, BS, BK):
-            b_k = key_rows(k, tl.where(used, u0 + kc, NT), tl.where(used, k_end, 0), i_h, H, D, BD, BK, BOXES)
+            row, k_end = _block_rows(j, bos, rel_max, kc, NT, BS)
+            b_k = key_rows(k, row, k_end, i_h, H, D, BD, BK, BOXES)                      # [BK, BD]
             o_k = kc + tl.arange(0, BK)
             b_ds = tl.load(ds + ds_row[:, None] * BSP + o_k[None, :], mask=m_row[:, None] & (o_k < BS)[None, :],
                            other=0.)                                                      # [M, BK]
