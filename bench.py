@@ -555,11 +555,8 @@ def layer_parts(be):
     def win(q, kw, vw, g=None):
         return nsa_attention.window_attention(q, kw, vw, window, backend=be, gate=g)
 
-    def mix(o_cmp, o_slc, o_win):  # Eq. 5 of the gated outputs; compiled on CUDA: one fused kernel
+    def mix(o_cmp, o_slc, o_win):  # Eq. 5 of the gated outputs
         return o_cmp + o_slc + o_win
-
-    if cuda and be == "triton":
-        mix = torch.compile(mix, dynamic=True)
 
     def core(q, kc, vc, ks, vs, kw, vw, gl):
         g = torch.softmax(gl.float(), dim=-1)                                  # (B, T, HQ, 3) gate weights
@@ -567,6 +564,10 @@ def layer_parts(be):
         idx = select(q.detach(), kc.detach(), lse)
         return mix(o_cmp, slc(q, ks, vs, idx, g[..., 1]), win(q, kw, vw, g[..., 2]))   # (B, T, HQ, Dv)
 
+    if cuda and be == "triton":  # compiled, as train.py runs the layer: the mix is one fused kernel, and so is the
+        # sum of q's three gradients in the backward; the core is compiled for each shape
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        return cmp, select, slc, win, torch.compile(mix, dynamic=True), torch.compile(core, fullgraph=True)
     return cmp, select, slc, win, mix, core
 
 
@@ -753,7 +754,11 @@ def captured(fn):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return g.replay
+
+    def replay():
+        g.replay()
+    replay.fn = fn  # the replay reads what fn's closure holds (inputs, a fixed do): it lives as long as the replay
+    return replay
 
 
 def decode_config(hq, **over):

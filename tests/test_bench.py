@@ -2,6 +2,7 @@
 fp32 reference and writes the table it prints to --csv; indices taken from a tiny checkpoint on real text run end to
 end; the locality numbers and the kernels' CONFIG after a sweep are checked in this process."""
 import csv
+import gc
 import importlib
 import os
 import subprocess
@@ -224,6 +225,24 @@ def test_captured_replay_matches_eager(bench):
     replay()
     want = fb()
     assert len(want) == 8 and all(torch.equal(a, b) for a, b in zip(got["grads"], want))
+
+
+@pytest.mark.gpu
+def test_captured_replay_outlives_its_function(bench):
+    """A replay holds fn, so the tensors its capture reads stay allocated after the caller drops fn: a later capture
+    (which collects garbage and empties the allocator's cache) or a new tensor cannot take their memory."""
+    x = torch.randn(1 << 20, device="cuda")
+    out = {}
+
+    def make():
+        y = x.clone()                                  # read by the capture, held only by the lambda
+        return bench.captured(lambda: out.update(s=(y * 2).sum()))
+
+    replay = make()
+    gc.collect()
+    z = torch.zeros_like(x)                            # would take y's memory, were it freed
+    replay()
+    assert torch.equal(out["s"], (x * 2).sum()) and not z.any()
 
 
 @pytest.mark.parametrize("hq", (4, 64))
