@@ -13,6 +13,7 @@ import contextlib
 import csv as csv_lib
 import io
 import os
+import statistics
 import time
 
 import torch
@@ -53,6 +54,8 @@ graphs = False  # layer mode and sweeps: time each part (each config) replayed f
 #                 on one GPU runs NSA), so launch overhead is out of the numbers
 profile = False  # per-kernel CUDA time at the largest T: one forward+backward (selection; layer: the core at the last
 #                  HQ of layer_hq), one decode step
+rounds = 1  # layer mode: time dense cuDNN and the NSA layer core alternately this many times, each row the median
+#            (their speed drifts by several % between calls, and a speedup compares the two)
 warmup_ms = 25  # triton.testing.do_bench warmup (ms)
 rep_ms = 100  # triton.testing.do_bench repetitions (ms)
 csv = ""  # write the table here too
@@ -64,11 +67,11 @@ for _name in ("seqlens", "layer_seqlens", "layer_hq", "decode_seqlens", "decode_
     _v = globals()[_name]
     if not (_v and all(isinstance(x, int) and x > 0 for x in _v)):
         raise ValueError(f"{_name} must be a non-empty tuple of positive ints, e.g. --{_name}=\"(8192,)\", got {_v!r}")
-if min(batch_size, n_head, n_kv_head, head_dim, v_head_dim) < 1 or n_head % n_kv_head or head_dim % 2 or \
+if min(batch_size, n_head, n_kv_head, head_dim, v_head_dim, rounds) < 1 or n_head % n_kv_head or head_dim % 2 or \
         min(rep_ms, warmup_ms) <= 0:
     raise ValueError(f"need batch_size, n_kv_head >= 1, n_head a multiple of n_kv_head, an "
-                     f"even head_dim, v_head_dim >= 1, rep_ms and warmup_ms > 0; got {batch_size}, {n_head}, "
-                     f"{n_kv_head}, {head_dim}, {v_head_dim}, {rep_ms}, {warmup_ms}")
+                     f"even head_dim, v_head_dim, rounds >= 1, rep_ms and warmup_ms > 0; got {batch_size}, {n_head}, "
+                     f"{n_kv_head}, {head_dim}, {v_head_dim}, {rounds}, {rep_ms}, {warmup_ms}")
 if any(hq % n_kv_head for hq in layer_hq):
     raise ValueError(f"every layer_hq must be a multiple of n_kv_head={n_kv_head}, got {layer_hq}")
 if csv and (os.path.isdir(csv) or not os.path.isdir(os.path.dirname(os.path.abspath(csv)))):
@@ -650,33 +653,44 @@ def run_layer():
             overlap, tile_blocks = print_locality(T, hq, idx)
             floors, dense_ms = layer_floors(T, hq, tflops, gbps), {}
 
+            def add_row(name, p, ms, mem=float("nan")):
+                if name == "dense cudnn":
+                    dense_ms[p] = ms
+                share = floors[name][p] / floors["NSA layer core"][p] if name != "dense cudnn" else float("nan")
+                rows.append((T, hq, name, p, ms, dense_ms.get(p, float("nan")) / ms, mem, floors[name][p], share,
+                             ms / floors[name][p], source, overlap, tile_blocks))
+
             def time_part(name, f, fb):
                 for p, fn in (("fwd", f), ("fwd+bwd", fb)):
-                    if fn is None:
-                        continue
-                    ms = bench(captured(fn) if graphs else fn)
-                    if name == "dense cudnn":
-                        dense_ms[p] = ms
-                    mem = peak_extra_gib(fn) if p == "fwd+bwd" and name in ("dense cudnn", "NSA layer core") \
-                        else float("nan")
-                    share = floors[name][p] / floors["NSA layer core"][p] if name != "dense cudnn" else float("nan")
-                    rows.append((T, hq, name, p, ms, dense_ms.get(p, float("nan")) / ms, mem, floors[name][p], share,
-                                 ms / floors[name][p], source, overlap, tile_blocks))
+                    if fn is not None:
+                        add_row(name, p, bench(captured(fn) if graphs else fn))
 
-            if dense:  # first, and its (B, HQ, T, D) copies of k and v freed before the rest
-                time_part("dense cudnn", *fwd_bwd(sdpa_backends(is_causal=True)["cudnn"], *dense_inputs(q, ks, vs)))
-                free_memory()
+            # dense and the layer core, alternately `rounds` times; then dense's (B, HQ, T, D) copies of k and v freed
+            pairs = ([("dense cudnn", fwd_bwd(sdpa_backends(is_causal=True)["cudnn"], *dense_inputs(q, ks, vs)))]
+                     if dense else []) + [("NSA layer core", fwd_bwd(core, *xs))]
+            timed = [(name, p, fn, captured(fn) if graphs else fn)
+                     for name, fns in pairs for p, fn in zip(("fwd", "fwd+bwd"), fns)]
+            runs = [[bench(replay) for *_, replay in timed] for _ in range(rounds)]
+            paired = [(name, p, statistics.median(run[i] for run in runs),
+                       peak_extra_gib(fn) if p == "fwd+bwd" else float("nan"))
+                      for i, (name, p, fn, _) in enumerate(timed)]
+            del pairs, timed
+            free_memory()
+            for row in paired[:-2]:  # dense's rows first: the speedups' base
+                add_row(*row)
             time_part("compressed", *fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc, g[..., 0]))
             time_part("select_blocks", lambda: select(q, kc, lse), None)
             time_part("selection", *fwd_bwd(lambda q, ks, vs, g: slc(q, ks, vs, idx, g), q, ks, vs, g[..., 1]))
             time_part("window", *fwd_bwd(win, q, kw, vw, g[..., 2]))
             time_part("mix", *fwd_bwd(mix, o_cmp, o_cmp, o_cmp))
-            time_part("NSA layer core", *fwd_bwd(core, *xs))
+            for row in paired[-2:]:
+                add_row(*row)
             del xs, q, kc, vc, ks, vs, kw, vw, gl, g, o_cmp, lse, idx
             free_memory()
     print(f"\nlayer core: B={B} H={H} D={D} Dv={Dv} l={cmp_block} d={cmp_stride} l'={sel_block} n={n_select} "
           f"w={window} {dtype}; indices: {source}; {'CUDA graph replays' if graphs else 'eager launches'}; "
-          f"speedup = dense cuDNN ms / ms (same T, HQ); mem = peak extra GiB of fwd+bwd")
+          f"speedup = dense cuDNN ms / ms (same T, HQ; the two timed alternately, the median of {rounds} round(s)); "
+          f"mem = peak extra GiB of fwd+bwd")
     print(f"floor = FLOPs at {tflops:.3g} TFLOP/s, the mix's bytes at {gbps:.3g} GB/s (both measured above; "
           f"layer_floors says what is counted); share = the part's floor / the layer core's (whose fwd+bwd holds "
           f"select_blocks' forward); x floor = ms / floor")

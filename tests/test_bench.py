@@ -121,6 +121,7 @@ def test_choices_checked_before_the_cpu_smoke_shapes(tmp_path):
     for args, want in ((["--seqlens=()"], "seqlens must be a non-empty tuple of positive ints"),
                        (["--layer_seqlens=(64.5,)"], "layer_seqlens must be a non-empty tuple of positive ints"),
                        (["--batch_size=0"], "need batch_size, n_kv_head >= 1"),
+                       (["--rounds=0"], "rounds >= 1"),
                        (["--n_head=6", "--n_kv_head=4"], "n_head a multiple of n_kv_head"),
                        (["--layer_hq=(6,)"], "every layer_hq must be a multiple of n_kv_head=4"),
                        ([f"--csv={tmp_path}/no/such.csv"], "is a directory or in none")):
@@ -200,8 +201,8 @@ def test_decode_mode(tmp_path):
 
 @pytest.mark.slow
 def test_layer_mode(tmp_path):
-    text, rows = run_bench(tmp_path, "--mode=layer")
-    assert "layer check" in text and "(ok)" in text
+    text, rows = run_bench(tmp_path, "--mode=layer", "--rounds=2")
+    assert "layer check" in text and "(ok)" in text and "the median of 2 round(s)" in text
     assert {"NSA layer core", "compressed", "select_blocks", "selection", "window", "mix"} <= {r["impl"] for r in rows}
     floor = {(r["impl"], r["pass"]): float(r["floor_ms"]) for r in rows}
     for p in ("fwd", "fwd+bwd"):  # the parts' floors add up to the layer core's (select_blocks has no backward)
