@@ -60,6 +60,7 @@ warmup_ms = 25  # triton.testing.do_bench warmup (ms)
 rep_ms = 100  # triton.testing.do_bench repetitions (ms)
 csv = ""  # write the table here too
 seed = 1337
+hopper_ws = True  # the warp-specialised kernels on Hopper where nsa_kernels takes them (False: Triton's only)
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())  # overrides
 check_choice(mode=("selection", "layer", "decode"), dtype=("float16", "bfloat16"),
              indices=("select", "random", "trained"))
@@ -86,6 +87,7 @@ import nsa_kernels  # noqa: E402
 import sel_kernel  # noqa: E402
 
 B, HQ, H, D, Dv = batch_size, n_head, n_kv_head, head_dim, v_head_dim
+nsa_kernels.HOPPER_WS = hopper_ws
 cuda = torch.cuda.is_available()
 device = "cuda" if cuda else "cpu"
 if not cuda:  # CPU smoke test: tiny shapes for the slow interpreter, fp16 as bf16 dots are wrong there

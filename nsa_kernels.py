@@ -22,14 +22,20 @@ public functions at the bottom; test_nsa_kernels.py and test_decode.py check the
 # top-NP of two sorted lists is max(a_desc, b_asc)). Only the (B, T, H, n) int32 indices are written.
 #
 # Decode: one query token per row over nsa_attention.nsa_cache in four launches (see "decode kernels" below).
-# The file reads: shared pieces -> range attention kernels -> selection kernel -> decode kernels -> host launchers ->
-# torch.library ops -> public functions. Ops: nsa::range_attn_fwd / _bwd, nsa::select, nsa::decode.
+# The file reads: shared pieces -> range attention kernels -> their Hopper versions (Gluon) -> selection kernel ->
+# decode kernels -> host launchers -> torch.library ops -> public functions. Ops: nsa::range_attn_fwd / _bwd,
+# nsa::select, nsa::decode.
 import math
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 # launch parameters: M = query rows (whole tokens x their G heads, packed) per program, BN = keys per step (dk/dv:
@@ -58,6 +64,11 @@ SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entrie
 DKV_CHUNK = 256  # compressed dk/dv: fewest tokens per query chunk, and the grid aims at DKV_PROGRAMS programs
 DKV_PROGRAMS = 2048
 DKV_FEW_PROGRAMS = 256  # range dk/dv grids below this (about two 4-warp programs per H100 SM) take "dkv_few"
+# Hopper (_ws_applies): the compressed branch's dk/dv, and its forward on rows of at least WS_FWD_MIN_T tokens, take
+# the warp-specialised kernels ("range attention on Hopper" below), where they were faster on one H100 and one H200
+# (T = 8k-64k, G = 4 and 16; not the window's); HOPPER_WS = False keeps Triton's everywhere (bench.py --hopper_ws)
+WS_FWD_MIN_T = 32768
+HOPPER_WS = True
 # launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
 # keys per tile, window_keys = ring slots per window program, score_blocks = selection blocks per score program,
 # attend_blocks = selected blocks per attend program (one gathered tile), *_warps / cmp_stages = Triton options (the
@@ -231,6 +242,21 @@ def tma_boxes(x, y, box_x, box_y):
         return x, y, False
     return (TensorDescriptor(x, list(x.shape), list(x.stride()), box_x),
             TensorDescriptor(y, list(y.shape), list(y.stride()), box_y), True)
+
+
+def _ws_applies(q, k, v, do=None):
+    """Whether the warp-specialised kernels take these packed q (NT, HQ, D), k (NK, H, D), v (NK, H, Dv) (and do):
+    Hopper, 16-bit, D = Dv = 64 or 128, G a power of 2 up to 64, keys, 16-byte aligned for TMA."""
+    G = q.shape[1] // k.shape[1]
+    return (HOPPER_WS and q.is_cuda and k.shape[0] > 0 and torch.cuda.get_device_capability(q.device)[0] == 9 and
+            q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == v.shape[2] in (64, 128) and
+            G & (G - 1) == 0 and G <= 64 and all(x.data_ptr() % 16 == 0 for x in (q, k, v, do) if x is not None))
+
+
+def _ws_desc(x, box):
+    """A Gluon TMA descriptor of x whose loads are boxes of `box` elements (zeros past x's end)."""
+    layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16)
+    return GluonDescriptor(x, list(x.shape), list(x.stride()), box, layout)
 
 
 def pack_gate(gate):
@@ -517,6 +543,290 @@ def _range_sum_chunks_kernel(dk_part, dv_part, dk, dv, NQC, NK_D, NK_DV, BE: tl.
         b_dv += tl.load(dv_part + i_q * NK_DV + e, mask=m_v, other=0.)
     tl.store(dk + e, b_dk.to(dk.dtype.element_ty), mask=m_k)
     tl.store(dv + e, b_dv.to(dv.dtype.element_ty), mask=m_v)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# range attention on Hopper, compressed branch: warp-specialised forward and dk/dv (Gluon; _ws_applies says where).
+# The same tiles and masks as the kernels above, but each program is three partitions: a loader warp streams tiles
+# into shared memory by TMA (an mbarrier ring of STAGES buffers, each freed when both consumers arrive), and two
+# consumer warpgroups take 64 rows each, issuing asynchronous wgmma; while one waits on its softmax the other's
+# matmuls run. Forward: 128 query rows, K/V tiles of BN keys over the union of their ranges. dk/dv: 128 keys (K/V
+# loaded once), Q/dO tiles of 64 rows (M // G tokens, a [tokens, G, D] box) over the tokens any of them reads; the
+# lse and delta of the next step are loaded during this one. Gluon does not run in the CPU interpreter: the GPU tests
+# check these against the reference.
+
+@gluon.jit
+def _ws_range(x, m, lo, hi, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, FROM_KEY: gl.constexpr):
+    """_range, written in Gluon."""
+    if VARLEN:
+        b_lo = gl.load(lo + x, mask=m, other=INT_MAX)
+        b_hi = gl.load(hi + x, mask=m, other=0)
+    else:
+        if not FROM_KEY:
+            s, p = x // SEQ_T, x % SEQ_T
+            if KIND == 0:
+                b_lo = s * SEQ_TK
+                b_hi = b_lo + gl.minimum(gl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), SEQ_TK)
+            else:
+                b_lo = gl.maximum(s * SEQ_T, x - A + 1)
+                b_hi = x + 1
+        elif KIND == 0:
+            s = x // SEQ_TK
+            b_lo = s * SEQ_T + (x % SEQ_TK) * BB + A - 1
+            b_hi = (s + 1) * SEQ_T
+        else:
+            b_lo = x
+            b_hi = gl.minimum((x // SEQ_T + 1) * SEQ_T, x + A)
+        b_lo = gl.where(m, b_lo, INT_MAX)
+        b_hi = gl.where(m, b_hi, 0)
+    return b_lo, b_hi
+
+
+@gluon.constexpr_function
+def _ws_mma(N):
+    """Register layout of a warpgroup's [64, N] wgmma result."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+
+
+@gluon.jit
+def _ws_fwd_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_h, k_start, n_steps,
+                   D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    for j in range(n_steps):
+        s, ph = j % STAGES, (j // STAGES) & 1
+        mbarrier.wait(kv_free.index(s), ph ^ 1)           # a fresh barrier passes phase 1: the ring starts empty
+        k0 = k_start + j * BN
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k0, i_h * D], k_ready.index(s), k_bufs.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [k0, i_h * DV], v_ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _ws_fwd_consumer(q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_t, i_h, half,
+                     k_start, n_steps, scale_log2, NT, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB,
+                     H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr,
+                     STAGES: gl.constexpr, GATED: gl.constexpr):
+    s_l: gl.constexpr = _ws_mma(BN)
+    o_l: gl.constexpr = _ws_mma(DV)
+    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    r = half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, rows_l))
+    t_r = i_t * (128 // G) + r // G
+    rows = t_r.to(gl.int64) * (H * G) + i_h * G + r % G
+    q_rows = q_smem.slice(half * 64, 64)                                                  # this warpgroup's 64 rows
+    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
+    q_rows.store(gl.load(q + rows[:, None] * D + o_d[None, :], mask=(t_r < NT)[:, None], other=0.))
+    fence_async_shared()
+    r = gl.convert_layout(r, gl.SliceLayout(1, s_l))
+    t_r = i_t * (128 // G) + r // G
+    m_r = t_r < NT
+    b_lo, b_hi = _ws_range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
+    f_lo = gl.max(gl.where(m_r, b_lo, -1), 0)                                             # keys every row reads
+    f_hi = gl.min(gl.where(m_r, b_hi, INT_MAX), 0)
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
+    acc = gl.zeros([64, DV], gl.float32, o_l)
+    o_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+    for j in range(n_steps):
+        s, ph = j % STAGES, (j // STAGES) & 1
+        k0 = k_start + j * BN
+        mbarrier.wait(k_ready.index(s), ph)
+        b_s = warpgroup_mma(q_rows, k_bufs.index(s).permute((1, 0)), gl.zeros([64, BN], gl.float32, s_l),
+                            use_acc=False, is_async=True)
+        b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))                          # [64, BN]
+        if (k0 < f_lo) | (k0 + BN > f_hi):
+            c = k0 + o_n
+            b_s = gl.where((c[None, :] >= b_lo[:, None]) & (c[None, :] < b_hi[:, None]), b_s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(b_s, 1) * scale_log2)                              # softmax_rescale
+        m_use = gl.where(m_new == float("-inf"), 0., m_new)
+        alpha = gl.exp2(m_i - m_use)
+        b_p = gl.exp2(b_s * scale_log2 - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(b_p, 1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        b_p = gl.convert_layout(b_p.to(q.dtype.element_ty), gl.DotOperandLayout(0, o_l, 2))
+        mbarrier.wait(v_ready.index(s), ph)
+        acc = warpgroup_mma(b_p, v_bufs.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))                          # [64, DV]
+        mbarrier.arrive(kv_free.index(s), count=1)
+    l_safe = gl.where(l_i == 0., 1., l_i)                                                 # softmax_finish
+    b_lse = gl.where(l_i == 0., float("-inf"), m_i + gl.log2(l_safe))
+    gl.store(lse + t_r.to(gl.int64) * (H * G) + i_h * G + r % G, b_lse * 0.6931471805599453, mask=m_r)
+    r = gl.convert_layout(r, gl.SliceLayout(1, o_l))
+    t_r = i_t * (128 // G) + r // G
+    m_r = t_r < NT
+    rows = t_r.to(gl.int64) * (H * G) + i_h * G + r % G
+    b_o = acc * gl.convert_layout(1. / l_safe, gl.SliceLayout(1, o_l))[:, None]
+    if GATED:
+        b_o = b_o * gl.load(gate + rows, mask=m_r, other=1.)[:, None]
+    o_e = gl.arange(0, DV, layout=gl.SliceLayout(0, o_l))
+    gl.store(o + rows[:, None] * DV + o_e[None, :], b_o.to(o.dtype.element_ty), mask=m_r[:, None])
+
+
+@gluon.jit
+def _ws_fwd_kernel(q, k_desc, v_desc, o, lse, gate, lo, hi, scale_log2, NT, KIND: gl.constexpr,
+                   VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
+                   DV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
+    i_t, i_h = gl.program_id(0), gl.program_id(1)
+    r = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    t_r = i_t * (128 // G) + r // G
+    b_lo, b_hi = _ws_range(t_r, t_r < NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
+    k_start = gl.min(b_lo, 0)                                                             # the tile's key span
+    n_steps = gl.maximum(gl.cdiv(gl.max(b_hi, 0) - k_start, BN), 0)
+    q_smem = gl.allocate_shared_memory(q.dtype.element_ty, [128, D],
+                                       gl.NVMMASharedLayout.get_default_for([128, D], q.dtype.element_ty))
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=2)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_ws_fwd_consumer, (q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_t, i_h, 0,
+                            k_start, n_steps, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV, BN,
+                            STAGES, GATED)),
+        (_ws_fwd_consumer, (q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_t, i_h, 1,
+                            k_start, n_steps, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV, BN,
+                            STAGES, GATED)),
+        (_ws_fwd_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_h, k_start, n_steps, D, DV, BN,
+                          STAGES)),
+    ], [4, 1], [240, 24])
+
+
+@gluon.jit
+def _ws_dkv_loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, qd_ready, qd_free,
+                   i_h, c0, t_start, n_steps, D: gl.constexpr, DV: gl.constexpr, G: gl.constexpr, BT: gl.constexpr,
+                   STAGES: gl.constexpr):
+    for h in gl.static_range(2):                          # each consumer's 64 keys, once
+        mbarrier.expect(kv_ready.index(h), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [c0 + h * 64, i_h * D], kv_ready.index(h), k_smem.index(h))
+        tma.async_copy_global_to_shared(v_desc, [c0 + h * 64, i_h * DV], kv_ready.index(h), v_smem.index(h))
+    for j in range(n_steps):
+        s, ph = j % STAGES, (j // STAGES) & 1
+        mbarrier.wait(qd_free.index(s), ph ^ 1)
+        t0 = t_start + j * BT
+        mbarrier.expect(qd_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [t0, i_h * G, 0], qd_ready.index(s), q_bufs.index(s))
+        tma.async_copy_global_to_shared(do_desc, [t0, i_h * G, 0], qd_ready.index(s), do_bufs.index(s))
+
+
+@gluon.jit
+def _ws_keys(i_k, NK, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, r):
+    """Key tile i_k of 128 keys (inside one row without var-length input): the key ids of rows r, which are real,
+    the tile's first key and its row's first token (as _range_bwd_dkv_kernel)."""
+    if VARLEN:
+        c0, q0 = i_k * 128, 0
+        c = c0 + r
+        m = c < NK
+    else:
+        n_kt = gl.cdiv(SEQ_TK, 128)
+        c0 = (i_k // n_kt) * SEQ_TK + (i_k % n_kt) * 128
+        c = c0 + r
+        m = (i_k % n_kt) * 128 + r < SEQ_TK
+        q0 = (i_k // n_kt) * SEQ_T
+    return c, m, c0, q0
+
+
+@gluon.jit
+def _ws_dkv_consumer(lse, delta, dk, dv, qlo, qhi, k_smem, v_smem, q_bufs, do_bufs, kv_ready, qd_ready, qd_free,
+                     i_k, i_q, i_h, half, t_start, n_steps, scale_log2, scale, NK, NT, QCH, KIND: gl.constexpr,
+                     VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
+                     DV: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr):
+    M: gl.constexpr = BT * G                                                              # query rows per step: 64
+    s_l: gl.constexpr = _ws_mma(M)
+    k_l: gl.constexpr = _ws_mma(D)
+    v_l: gl.constexpr = _ws_mma(DV)
+    c, m_k, c0, q0 = _ws_keys(i_k, NK, VARLEN, SEQ_T, SEQ_TK, half * 64 + gl.arange(0, 64, gl.SliceLayout(1, s_l)))
+    b_qlo, b_qhi = _ws_range(c, m_k, qlo, qhi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=True)
+    b_qlo = gl.maximum(b_qlo, q0 + i_q * QCH)                                             # this program's chunk
+    b_qhi = gl.minimum(b_qhi, q0 + (i_q + 1) * QCH)
+    f_lo = gl.max(gl.where(m_k, b_qlo, -1), 0)                                            # tokens every key reads
+    f_hi = gl.min(gl.where(m_k, b_qhi, INT_MAX), 0)
+    b_dk = gl.zeros([64, D], gl.float32, k_l)
+    b_dv = gl.zeros([64, DV], gl.float32, v_l)
+    r = gl.arange(0, M, layout=gl.SliceLayout(0, s_l))
+    vec_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])                           # compact, for the loads
+    rv = gl.arange(0, M, layout=vec_l)
+    t_v = t_start + rv // G
+    n_lse = gl.load(lse + t_v.to(gl.int64) * (H * G) + i_h * G + rv % G, mask=t_v < NT, other=0.)
+    n_delta = gl.load(delta + t_v.to(gl.int64) * (H * G) + i_h * G + rv % G, mask=t_v < NT, other=0.)
+    mbarrier.wait(kv_ready.index(half), 0)
+    for j in range(n_steps):
+        s, ph = j % STAGES, (j // STAGES) & 1
+        t0 = t_start + j * BT
+        t_r = t0 + r // G                                                                 # [M] token of each row
+        b_lse = gl.convert_layout(n_lse, gl.SliceLayout(0, s_l))                          # base 2, gated
+        b_delta = gl.convert_layout(n_delta, gl.SliceLayout(0, s_l))
+        t_v = t0 + BT + rv // G                                                           # the next step's rows
+        n_lse = gl.load(lse + t_v.to(gl.int64) * (H * G) + i_h * G + rv % G, mask=t_v < NT, other=0.)
+        n_delta = gl.load(delta + t_v.to(gl.int64) * (H * G) + i_h * G + rv % G, mask=t_v < NT, other=0.)
+        mbarrier.wait(qd_ready.index(s), ph)
+        q_s = q_bufs.index(s).reshape([M, D])
+        do_s = do_bufs.index(s).reshape([M, DV])
+        zero = gl.zeros([64, M], gl.float32, s_l)
+        b_st = warpgroup_mma(k_smem.index(half), q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+        b_dpt = warpgroup_mma(v_smem.index(half), do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+        b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))                        # s^T [64 keys, M]
+        b_pt = gl.exp2(b_st * scale_log2 - b_lse[None, :])
+        masked = (t0 < f_lo) | (t0 + BT > f_hi)
+        if masked:
+            b_pt = gl.where((t_r[None, :] >= b_qlo[:, None]) & (t_r[None, :] < b_qhi[:, None]), b_pt, 0.)
+        b_dv = warpgroup_mma(gl.convert_layout(b_pt.to(q_s.dtype), gl.DotOperandLayout(0, v_l, 2)), do_s, b_dv,
+                             is_async=True)
+        b_dpt = warpgroup_mma_wait(num_outstanding=1, deps=(b_dpt,))                      # dp^T [64 keys, M]
+        b_dst = b_pt * (b_dpt - b_delta[None, :])
+        if masked:                                        # where, not 0 * dp: an unread key may hold NaN
+            b_dst = gl.where((t_r[None, :] >= b_qlo[:, None]) & (t_r[None, :] < b_qhi[:, None]), b_dst, 0.)
+        b_dk = warpgroup_mma(gl.convert_layout(b_dst.to(q_s.dtype), gl.DotOperandLayout(0, k_l, 2)), q_s, b_dk,
+                             is_async=True)
+        b_dv, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk))
+        mbarrier.arrive(qd_free.index(s), count=1)
+    p_off = i_q.to(gl.int64) * NK * H                                                     # chunk partials
+    ck = gl.convert_layout(c, gl.SliceLayout(1, k_l)).to(gl.int64) * H + i_h
+    mk = gl.convert_layout(m_k, gl.SliceLayout(1, k_l))
+    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, k_l))
+    gl.store(dk + (p_off + ck)[:, None] * D + o_d[None, :], (b_dk * scale).to(dk.dtype.element_ty), mask=mk[:, None])
+    cv = gl.convert_layout(c, gl.SliceLayout(1, v_l)).to(gl.int64) * H + i_h
+    mv = gl.convert_layout(m_k, gl.SliceLayout(1, v_l))
+    o_e = gl.arange(0, DV, layout=gl.SliceLayout(0, v_l))
+    gl.store(dv + (p_off + cv)[:, None] * DV + o_e[None, :], b_dv.to(dv.dtype.element_ty), mask=mv[:, None])
+
+
+@gluon.jit
+def _ws_dkv_kernel(q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, qlo, qhi, scale_log2, scale, NK, NT, QCH,
+                   KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr,
+                   D: gl.constexpr, DV: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr):
+    i_k, i_q, i_h = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    c, m_k, c0, q0 = _ws_keys(i_k, NK, VARLEN, SEQ_T, SEQ_TK, gl.arange(0, 128, gl.BlockedLayout([1], [32], [4], [0])))
+    b_qlo, b_qhi = _ws_range(c, m_k, qlo, qhi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=True)
+    t_start = gl.maximum(gl.min(b_qlo, 0), q0 + i_q * QCH)                                # the tile's token span
+    n_steps = gl.maximum(gl.cdiv(gl.minimum(gl.max(b_qhi, 0), q0 + (i_q + 1) * QCH) - t_start, BT), 0)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    qd_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qd_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(qd_ready.index(i), count=1)
+        mbarrier.init(qd_free.index(i), count=2)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_ws_dkv_consumer, (lse, delta, dk, dv, qlo, qhi, k_smem, v_smem, q_bufs, do_bufs, kv_ready, qd_ready, qd_free,
+                            i_k, i_q, i_h, 0, t_start, n_steps, scale_log2, scale, NK, NT, QCH, KIND, VARLEN, SEQ_T,
+                            SEQ_TK, A, BB, H, G, D, DV, BT, STAGES)),
+        (_ws_dkv_consumer, (lse, delta, dk, dv, qlo, qhi, k_smem, v_smem, q_bufs, do_bufs, kv_ready, qd_ready, qd_free,
+                            i_k, i_q, i_h, 1, t_start, n_steps, scale_log2, scale, NK, NT, QCH, KIND, VARLEN, SEQ_T,
+                            SEQ_TK, A, BB, H, G, D, DV, BT, STAGES)),
+        (_ws_dkv_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, qd_ready,
+                          qd_free, i_h, c0, t_start, n_steps, D, DV, G, BT, STAGES)),
+    ], [4, 1], [240, 24])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -922,6 +1232,15 @@ def _range_fwd(q, k, v, gate, geo, lo, hi, scale):
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
     if NT == 0:
         return o, lse
+    H, G = k.shape[1], HQ // k.shape[1]
+    if geo["KIND"] == 0 and not geo["VARLEN"] and geo["SEQ_T"] >= WS_FWD_MIN_T and _ws_applies(q, k, v):
+        # (not with var-length input: its padding keys may hold NaN, and 0 * NaN would reach o through p v)
+        D, DV = q.shape[2], v.shape[2]
+        _ws_fwd_kernel[(triton.cdiv(NT, 128 // G), H)](
+            q, _ws_desc(k.view(-1, H * D), [128, D]), _ws_desc(v.view(-1, H * DV), [128, DV]), o, lse, gate, lo, hi,
+            scale * math.log2(math.e), NT, **geo, H=H, G=G, D=D, DV=DV, BN=128, STAGES=2, GATED=gate is not None,
+            num_warps=4)
+        return o, lse
     M, launch = _launch_cfg("fwd", q, k, v)
     c, BT = _sizes(q, k, v, M)
     kb, vb, boxes = _range_keys(k, v, geo, launch["BN"], c)
@@ -949,7 +1268,8 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale):
                                                                  GATED=gate is not None)
     if NK > 0 and NT > 0:
         H = k.shape[1]
-        M, launch = _launch_cfg("dkv", q, k, v)
+        ws = geo["KIND"] == 0 and _ws_applies(q, k, v, do)  # 128 keys, steps of 64 rows
+        M, launch = (64, dict(BN=128)) if ws else _launch_cfg("dkv", q, k, v)
         rows = 1 if geo["VARLEN"] else NK // geo["SEQ_TK"]  # key tiles stay inside a row without var-length input
         q_span = NT // rows                                 # the tokens a key's queries lie in
         key_tiles = rows * triton.cdiv(NK // rows, launch["BN"])
@@ -957,15 +1277,22 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale):
         n_chunks = 1 if geo["KIND"] == 1 else min(triton.cdiv(q_span, DKV_CHUNK),
                                                   triton.cdiv(DKV_PROGRAMS, key_tiles * H))
         width = max(q.shape[2], v.shape[2])
-        if key_tiles * n_chunks * H < DKV_FEW_PROGRAMS and launch_entry("dkv", HQ // H, width) == "dkv":
+        if not ws and key_tiles * n_chunks * H < DKV_FEW_PROGRAMS and launch_entry("dkv", HQ // H, width) == "dkv":
             M, launch = _launch_cfg("dkv_few", q, k, v)     # (the same BN: the grid stays)
         c, BT = _sizes(q, k, v, M)
         qch = triton.cdiv(triton.cdiv(q_span, n_chunks), BT) * BT
         nqc = triton.cdiv(q_span, qch)
         dk_p, dv_p = (dk, dv) if nqc == 1 else (k.new_empty(nqc, *k.shape, dtype=torch.float32),
                                                  v.new_empty(nqc, *v.shape, dtype=torch.float32))
-        _range_bwd_dkv_kernel[(key_tiles, nqc, c["H"])](
-            q, k, v, do, lse2, delta, dk_p, dv_p, qlo, qhi, sl2, scale, NK, qch, **geo, **c, **launch)
+        if ws:
+            G, D, DV = c["G"], c["D"], c["DV"]
+            _ws_dkv_kernel[(key_tiles, nqc, H)](
+                _ws_desc(q, [BT, G, D]), _ws_desc(do, [BT, G, DV]), _ws_desc(k.view(NK, H * D), [64, D]),
+                _ws_desc(v.view(NK, H * DV), [64, DV]), lse2, delta, dk_p, dv_p, qlo, qhi, sl2, scale, NK, NT, qch,
+                **geo, H=H, G=G, D=D, DV=DV, BT=BT, STAGES=2, num_warps=4)
+        else:
+            _range_bwd_dkv_kernel[(key_tiles, nqc, c["H"])](
+                q, k, v, do, lse2, delta, dk_p, dv_p, qlo, qhi, sl2, scale, NK, qch, **geo, **c, **launch)
         if nqc > 1:
             BE = 1024
             _range_sum_chunks_kernel[(triton.cdiv(max(dk.numel(), dv.numel()), BE),)](

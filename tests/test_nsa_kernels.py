@@ -303,16 +303,21 @@ def test_select_blocks_varlen():
     assert torch.equal(idx, ref)
 
 
-def test_no_unwritten_outputs_nan_poison(monkeypatch):
-    """Every buffer the ops allocate starts as NaN (ints as -2^30); outputs and grads must still be right."""
+def poison_allocations(monkeypatch):
+    """From here on every buffer torch.empty / empty_like allocates starts as NaN (ints as -2^30)."""
     empty, empty_like = torch.empty, torch.empty_like
 
     def poison(x):
         return x.fill_(float("nan")) if x.is_floating_point() else x.fill_(-(1 << 30))
 
-    monkeypatch.setattr(nk, "DKV_CHUNK", 16)                   # the fp32 dk/dv partials are poisoned too
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+
+
+def test_no_unwritten_outputs_nan_poison(monkeypatch):
+    """Every buffer the ops allocate starts as NaN (ints as -2^30); outputs and grads must still be right."""
+    monkeypatch.setattr(nk, "DKV_CHUNK", 16)                   # the fp32 dk/dv partials are poisoned too
+    poison_allocations(monkeypatch)
     out_c, ref_c = run_cmp(1, 45, 4, 2, 32, 32, 8, 4, torch.float32, seed=7)
     out_w, ref_w = run_win(1, 45, 4, 2, 32, 32, 9, torch.float32, seed=7)
     idx, ref_i = run_sel(1, 45, 4, 2, 32, 8, 4, 8, 3, 1, 1, seed=7)
@@ -463,6 +468,50 @@ def test_select_blocks_gpu(G, D):
         idx, ref = run_sel(1, 5000, 2 * G, 2, D, 32, 16, 64, 16, 1, 2, seed=G, cu=c, device="cuda",
                            dtype=torch.bfloat16)
         assert (idx != ref).any(-1).float().mean().item() <= 1e-3
+
+
+HOPPER_SHAPES = [(1, 128, False, torch.bfloat16), (2, 64, True, torch.float16), (4, 128, True, torch.bfloat16),
+                 (16, 128, False, torch.bfloat16), (16, 64, True, torch.bfloat16), (32, 128, True, torch.float16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G,D,gated,dtype", HOPPER_SHAPES, ids=[f"G{G}-D{D}-{'gated' if g else 'plain'}-{str(t)[6:]}"
+                                                                 for G, D, g, t in HOPPER_SHAPES])
+def test_compressed_hopper_gpu(G, D, gated, dtype, monkeypatch):
+    """The warp-specialised compressed forward and dk/dv (the forward at every T here) against the reference: two
+    rows of 130 compressed keys (a 128-key tile and 2 keys), queries split into token chunks; and var-length input
+    (where the forward stays Triton's) with NaN padding keys and NaN-poisoned buffers."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialised kernels are Hopper's")
+    monkeypatch.setattr(nk, "WS_FWD_MIN_T", 0)
+    q = torch.empty(1, 8, 2 * G, D, device="cuda", dtype=dtype)
+    assert nk._ws_applies(nk.pack(q), q[0, :, :2], q[0, :, :2])
+    out, ref = run_cmp(2, 2100, 2 * G, 2, D, D, 32, 16, dtype, device="cuda", seed=G + D, gated=gated)
+    check(out, ref, 1e-2, CMP_NAMES + (("dgate",) if gated else ()))
+    cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
+    out, ref = run_cmp(1, 2000, 2 * G, 2, D, D, 32, 16, dtype, device="cuda", seed=G, cu=cu, gated=gated)
+    check(out, ref, 1e-2, CMP_NAMES + (("dgate",) if gated else ()))
+    # padding keys past cu_seqlens_cmp[-1] hold NaN, every buffer the ops allocate starts as NaN: the same o, lse and
+    # dq as without the padding, dk / dv within rounding (a key tile with padding starts its token steps elsewhere, so
+    # it sums them in another grouping), zero gradient at the padding, and two runs bit-identical
+    cu_c = na.cmp_cu_seqlens(cu, 32, 16)
+    n = int(cu_c[-1])
+    g = torch.Generator().manual_seed(G)
+    q, k, v = (randn(g, 1, t, h, D, dtype=dtype, device="cuda") for t, h in ((2000, 2 * G), (n + 100, 2), (n + 100, 2)))
+    k[:, n:], v[:, n:] = float("nan"), float("nan")
+
+    def run(k, v):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        o, lse = nk.compressed_attention_triton(*xs, 32, 16, D ** -0.5, cu, cu_c)
+        return [o, lse, *torch.autograd.grad(o.float().square().sum(), xs)]
+
+    poison_allocations(monkeypatch)
+    first, second, unpadded = run(k, v), run(k, v), run(k[:, :n], v[:, :n])
+    monkeypatch.undo()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(first[:3], unpadded[:3]))
+    assert rel_rmse(first[3][:, :n], unpadded[3]) <= 1e-2 and rel_rmse(first[4][:, :n], unpadded[4]) <= 1e-2
+    assert (first[3][:, n:] == 0).all() and (first[4][:, n:] == 0).all()
 
 
 @pytest.mark.gpu
