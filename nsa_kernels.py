@@ -346,6 +346,23 @@ def _range(x, m, lo, hi, KIND: tl.constexpr, VARLEN: tl.constexpr, SEQ_T, SEQ_TK
     return b_lo, b_hi
 
 
+@triton.jit
+def _key_tile(i_k, r, NK, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, BN: tl.constexpr):
+    """Key tile i_k of BN keys for the dk/dv kernels: the ids c of its keys r (offsets in the tile), which are real
+    (m), its first key and the first token of its row (its query chunks start there). Var-length: BN keys of the
+    packed keys; else BN keys of one row (SEQ_TK keys, SEQ_T tokens each)."""
+    if VARLEN:
+        c0 = i_k * BN
+        m = c0 + r < NK
+        q0 = 0
+    else:
+        n_kt = tl.cdiv(SEQ_TK, BN)
+        c0 = (i_k // n_kt) * SEQ_TK + (i_k % n_kt) * BN
+        m = (i_k % n_kt) * BN + r < SEQ_TK
+        q0 = (i_k // n_kt) * SEQ_T
+    return c0 + r, m, c0, q0
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # range attention forward: o = softmax(scale * q k^T) v over keys [lo[t], hi[t]), base-2 softmax, fp32 accumulate
 
@@ -492,16 +509,7 @@ def _range_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, qlo, qhi, scale_log2,
     tokens with var-length input); with several chunks dk/dv are fp32 partials (NQC, NK, H, D) that the launcher
     sums in chunk order."""
     i_k, i_q, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if VARLEN:                                            # BN keys of the packed keys
-        c = i_k * BN + tl.arange(0, BN)                                                   # [BN] key ids
-        m_k = c < NK
-        q0 = 0
-    else:                                                 # BN keys of one row (SEQ_TK keys, SEQ_T tokens each)
-        n_kt = tl.cdiv(SEQ_TK, BN)
-        c_r = (i_k % n_kt) * BN + tl.arange(0, BN)
-        c = (i_k // n_kt) * SEQ_TK + c_r
-        m_k = c_r < SEQ_TK
-        q0 = (i_k // n_kt) * SEQ_T                        # the row's first token: its chunks start there
+    c, m_k, _, q0 = _key_tile(i_k, tl.arange(0, BN), NK, VARLEN, SEQ_T, SEQ_TK, BN)                # [BN] key ids
     b_qlo, b_qhi = _range(c, m_k, qlo, qhi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=True)  # [BN] query ranges
     k_off = c.to(tl.int64) * H + i_h
     b_k = load_rows(k, k_off, m_k, D, BD)                                                 # [BN, BD]
@@ -552,35 +560,9 @@ def _range_sum_chunks_kernel(dk_part, dv_part, dk, dv, NQC, NK_D, NK_DV, BE: tl.
 # consumer warpgroups take 64 rows each, issuing asynchronous wgmma; while one waits on its softmax the other's
 # matmuls run. Forward: 128 query rows, K/V tiles of BN keys over the union of their ranges. dk/dv: 128 keys (K/V
 # loaded once), Q/dO tiles of 64 rows (M // G tokens, a [tokens, G, D] box) over the tokens any of them reads; the
-# lse and delta of the next step are loaded during this one. Gluon does not run in the CPU interpreter: the GPU tests
-# check these against the reference.
-
-@gluon.jit
-def _ws_range(x, m, lo, hi, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, FROM_KEY: gl.constexpr):
-    """_range, written in Gluon."""
-    if VARLEN:
-        b_lo = gl.load(lo + x, mask=m, other=INT_MAX)
-        b_hi = gl.load(hi + x, mask=m, other=0)
-    else:
-        if not FROM_KEY:
-            s, p = x // SEQ_T, x % SEQ_T
-            if KIND == 0:
-                b_lo = s * SEQ_TK
-                b_hi = b_lo + gl.minimum(gl.where(p + 1 < A, 0, (p + 1 - A) // BB + 1), SEQ_TK)
-            else:
-                b_lo = gl.maximum(s * SEQ_T, x - A + 1)
-                b_hi = x + 1
-        elif KIND == 0:
-            s = x // SEQ_TK
-            b_lo = s * SEQ_T + (x % SEQ_TK) * BB + A - 1
-            b_hi = (s + 1) * SEQ_T
-        else:
-            b_lo = x
-            b_hi = gl.minimum((x // SEQ_T + 1) * SEQ_T, x + A)
-        b_lo = gl.where(m, b_lo, INT_MAX)
-        b_hi = gl.where(m, b_hi, 0)
-    return b_lo, b_hi
-
+# lse and delta of the next step are loaded during this one. The key ranges, key tiles and softmax step are the Triton
+# helpers above (_range, _key_tile, softmax_rescale), which Gluon kernels call as they are. Gluon does not run in the
+# CPU interpreter: the GPU tests check these against the reference.
 
 @gluon.constexpr_function
 def _ws_mma(N):
@@ -619,7 +601,7 @@ def _ws_fwd_consumer(q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v
     r = gl.convert_layout(r, gl.SliceLayout(1, s_l))
     t_r = i_t * (128 // G) + r // G
     m_r = t_r < NT
-    b_lo, b_hi = _ws_range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
+    b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
     f_lo = gl.max(gl.where(m_r, b_lo, -1), 0)                                             # keys every row reads
     f_hi = gl.min(gl.where(m_r, b_hi, INT_MAX), 0)
     m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
@@ -636,12 +618,8 @@ def _ws_fwd_consumer(q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v
         if (k0 < f_lo) | (k0 + BN > f_hi):
             c = k0 + o_n
             b_s = gl.where((c[None, :] >= b_lo[:, None]) & (c[None, :] < b_hi[:, None]), b_s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(b_s, 1) * scale_log2)                              # softmax_rescale
-        m_use = gl.where(m_new == float("-inf"), 0., m_new)
-        alpha = gl.exp2(m_i - m_use)
-        b_p = gl.exp2(b_s * scale_log2 - m_use[:, None])
+        m_i, alpha, b_p = softmax_rescale(b_s, m_i, scale_log2)                          # [64, BN]
         l_i = l_i * alpha + gl.sum(b_p, 1)
-        m_i = m_new
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         b_p = gl.convert_layout(b_p.to(q.dtype.element_ty), gl.DotOperandLayout(0, o_l, 2))
         mbarrier.wait(v_ready.index(s), ph)
@@ -669,7 +647,7 @@ def _ws_fwd_kernel(q, k_desc, v_desc, o, lse, gate, lo, hi, scale_log2, NT, KIND
     i_t, i_h = gl.program_id(0), gl.program_id(1)
     r = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
     t_r = i_t * (128 // G) + r // G
-    b_lo, b_hi = _ws_range(t_r, t_r < NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
+    b_lo, b_hi = _range(t_r, t_r < NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
     k_start = gl.min(b_lo, 0)                                                             # the tile's key span
     n_steps = gl.maximum(gl.cdiv(gl.max(b_hi, 0) - k_start, BN), 0)
     q_smem = gl.allocate_shared_memory(q.dtype.element_ty, [128, D],
@@ -714,23 +692,6 @@ def _ws_dkv_loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_b
 
 
 @gluon.jit
-def _ws_keys(i_k, NK, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, r):
-    """Key tile i_k of 128 keys (inside one row without var-length input): the key ids of rows r, which are real,
-    the tile's first key and its row's first token (as _range_bwd_dkv_kernel)."""
-    if VARLEN:
-        c0, q0 = i_k * 128, 0
-        c = c0 + r
-        m = c < NK
-    else:
-        n_kt = gl.cdiv(SEQ_TK, 128)
-        c0 = (i_k // n_kt) * SEQ_TK + (i_k % n_kt) * 128
-        c = c0 + r
-        m = (i_k % n_kt) * 128 + r < SEQ_TK
-        q0 = (i_k // n_kt) * SEQ_T
-    return c, m, c0, q0
-
-
-@gluon.jit
 def _ws_dkv_consumer(lse, delta, dk, dv, qlo, qhi, k_smem, v_smem, q_bufs, do_bufs, kv_ready, qd_ready, qd_free,
                      i_k, i_q, i_h, half, t_start, n_steps, scale_log2, scale, NK, NT, QCH, KIND: gl.constexpr,
                      VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
@@ -739,8 +700,9 @@ def _ws_dkv_consumer(lse, delta, dk, dv, qlo, qhi, k_smem, v_smem, q_bufs, do_bu
     s_l: gl.constexpr = _ws_mma(M)
     k_l: gl.constexpr = _ws_mma(D)
     v_l: gl.constexpr = _ws_mma(DV)
-    c, m_k, c0, q0 = _ws_keys(i_k, NK, VARLEN, SEQ_T, SEQ_TK, half * 64 + gl.arange(0, 64, gl.SliceLayout(1, s_l)))
-    b_qlo, b_qhi = _ws_range(c, m_k, qlo, qhi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=True)
+    c, m_k, _, q0 = _key_tile(i_k, half * 64 + gl.arange(0, 64, gl.SliceLayout(1, s_l)), NK, VARLEN, SEQ_T, SEQ_TK,
+                              128)
+    b_qlo, b_qhi = _range(c, m_k, qlo, qhi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=True)
     b_qlo = gl.maximum(b_qlo, q0 + i_q * QCH)                                             # this program's chunk
     b_qhi = gl.minimum(b_qhi, q0 + (i_q + 1) * QCH)
     f_lo = gl.max(gl.where(m_k, b_qlo, -1), 0)                                            # tokens every key reads
@@ -800,8 +762,9 @@ def _ws_dkv_kernel(q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, qlo, qhi
                    KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr,
                    D: gl.constexpr, DV: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr):
     i_k, i_q, i_h = gl.program_id(0), gl.program_id(1), gl.program_id(2)
-    c, m_k, c0, q0 = _ws_keys(i_k, NK, VARLEN, SEQ_T, SEQ_TK, gl.arange(0, 128, gl.BlockedLayout([1], [32], [4], [0])))
-    b_qlo, b_qhi = _ws_range(c, m_k, qlo, qhi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=True)
+    c, m_k, c0, q0 = _key_tile(i_k, gl.arange(0, 128, gl.BlockedLayout([1], [32], [4], [0])), NK, VARLEN, SEQ_T,
+                               SEQ_TK, 128)
+    b_qlo, b_qhi = _range(c, m_k, qlo, qhi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=True)
     t_start = gl.maximum(gl.min(b_qlo, 0), q0 + i_q * QCH)                                # the tile's token span
     n_steps = gl.maximum(gl.cdiv(gl.minimum(gl.max(b_qhi, 0), q0 + (i_q + 1) * QCH) - t_start, BT), 0)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
