@@ -64,10 +64,10 @@ SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entrie
 DKV_CHUNK = 256  # compressed dk/dv: fewest tokens per query chunk, and the grid aims at DKV_PROGRAMS programs
 DKV_PROGRAMS = 2048
 DKV_FEW_PROGRAMS = 256  # range dk/dv grids below this (about two 4-warp programs per H100 SM) take "dkv_few"
-# Hopper (_ws_applies): the compressed branch's dk/dv, and its forward on rows of at least WS_FWD_MIN_T tokens, take
-# the warp-specialised kernels ("range attention on Hopper" below), where they were faster on one H100 and one H200
-# (T = 8k-64k, G = 4 and 16; not the window's); HOPPER_WS = False keeps Triton's everywhere (bench.py --hopper_ws)
-WS_FWD_MIN_T = 32768
+# Hopper (_ws_applies): the compressed branch's dk/dv, and its forward and dq on rows of at least WS_MIN_T tokens,
+# take the warp-specialised kernels ("range attention on Hopper" below), where they were faster on one H100 and one
+# H200 (T = 8k-64k, G = 4 and 16; not the window's); HOPPER_WS = False keeps Triton's everywhere (bench.py --hopper_ws)
+WS_MIN_T = 32768
 HOPPER_WS = True
 # launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
 # keys per tile, window_keys = ring slots per window program, score_blocks = selection blocks per score program,
@@ -251,6 +251,13 @@ def _ws_applies(q, k, v, do=None):
     return (HOPPER_WS and q.is_cuda and k.shape[0] > 0 and torch.cuda.get_device_capability(q.device)[0] == 9 and
             q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == v.shape[2] in (64, 128) and
             G & (G - 1) == 0 and G <= 64 and all(x.data_ptr() % 16 == 0 for x in (q, k, v, do) if x is not None))
+
+
+def _ws_rows_apply(geo):
+    """Whether the warp-specialised forward and dq take these rows (_ranges' geo): the compressed branch on rows of
+    at least WS_MIN_T tokens, not var-length input (its padding keys may hold NaN, which a key tile read whole would
+    carry into o and dq through 0 * NaN)."""
+    return geo["KIND"] == 0 and not geo["VARLEN"] and geo["SEQ_T"] >= WS_MIN_T
 
 
 def _ws_desc(x, box):
@@ -554,20 +561,68 @@ def _range_sum_chunks_kernel(dk_part, dv_part, dk, dv, NQC, NK_D, NK_DV, BE: tl.
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# range attention on Hopper, compressed branch: warp-specialised forward and dk/dv (Gluon; _ws_applies says where).
-# The same tiles and masks as the kernels above, but each program is three partitions: a loader warp streams tiles
-# into shared memory by TMA (an mbarrier ring of STAGES buffers, each freed when both consumers arrive), and two
-# consumer warpgroups take 64 rows each, issuing asynchronous wgmma; while one waits on its softmax the other's
-# matmuls run. Forward: 128 query rows, K/V tiles of BN keys over the union of their ranges. dk/dv: 128 keys (K/V
-# loaded once), Q/dO tiles of 64 rows (M // G tokens, a [tokens, G, D] box) over the tokens any of them reads; the
-# lse and delta of the next step are loaded during this one. The key ranges, key tiles and softmax step are the Triton
-# helpers above (_range, _key_tile, softmax_rescale), which Gluon kernels call as they are. Gluon does not run in the
-# CPU interpreter: the GPU tests check these against the reference.
+# range attention on Hopper, compressed branch: warp-specialised forward, dq and dk/dv (Gluon; _ws_applies and
+# _ws_rows_apply say where). The same tiles and masks as the kernels above, but each program is three partitions: a
+# loader warp streams tiles into shared memory by TMA (an mbarrier ring of STAGES buffers, each freed when both
+# consumers arrive), and two consumer warpgroups take 64 rows each, issuing asynchronous wgmma; while one waits on its
+# softmax the other's matmuls run. Forward and dq (one kernel, _ws_range_kernel): 128 query rows, K/V tiles of BN keys
+# over the union of their ranges; dq keeps Q and dO in shared memory and first writes delta and the base-2 lse for
+# dk/dv, as _range_bwd_dq_kernel does. dk/dv: 128 keys (K/V loaded once), Q/dO tiles of 64 rows (M // G tokens, a
+# [tokens, G, D] box) over the tokens any of them reads; the lse and delta of the next step are loaded during this
+# one. The key ranges, key tiles, softmax step and gate terms are the Triton helpers above (_range, _key_tile,
+# softmax_rescale, gate_lse, gate_delta), which Gluon kernels call as they are. Gluon does not run in the CPU
+# interpreter: the GPU tests check these against the reference.
 
 @gluon.constexpr_function
 def _ws_mma(N):
     """Register layout of a warpgroup's [64, N] wgmma result."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+
+
+@gluon.jit
+def _ws_rows(i_t, i_h, half, NT, H: gl.constexpr, G: gl.constexpr, layout: gl.constexpr):
+    """The 64 query rows of consumer `half` in program i_t's 128 (tokens i_t * 128 / G on, the G heads of kv head
+    i_h), in `layout`: the token of each row, whether it is real, and its row of a (tokens, HQ, ...) array."""
+    r = half * 64 + gl.arange(0, 64, layout=layout)
+    t_r = i_t * (128 // G) + r // G
+    return t_r, t_r < NT, t_r.to(gl.int64) * (H * G) + i_h * G + r % G
+
+
+@gluon.jit
+def _ws_load_rows(ptr, rows, m, D: gl.constexpr, layout: gl.constexpr):
+    """[64, D] rows `rows` of a row-major (..., D) array (0 where m is false), in `layout`."""
+    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+    m = gl.convert_layout(m, gl.SliceLayout(1, layout))
+    return gl.load(ptr + rows[:, None] * D + o_d[None, :], mask=m[:, None], other=0.)
+
+
+@gluon.jit
+def _ws_store_rows(ptr, rows, m, x, D: gl.constexpr, layout: gl.constexpr):
+    """Stores the [64, D] tile x (in `layout`, converted to ptr's dtype) into rows `rows` of a (..., D) array."""
+    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+    m = gl.convert_layout(m, gl.SliceLayout(1, layout))
+    gl.store(ptr + rows[:, None] * D + o_d[None, :], x.to(ptr.dtype.element_ty), mask=m[:, None])
+
+
+@gluon.jit
+def _ws_barriers(N: gl.constexpr, count: gl.constexpr):
+    """N mbarriers, each completing a phase when `count` arrivals (plus the bytes expected of it) have come."""
+    bars = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(N):
+        mbarrier.init(bars.index(i), count=count)
+    return bars
+
+
+@gluon.jit
+def _ws_key_span(i_t, NT, lo, hi, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, G: gl.constexpr,
+                 BN: gl.constexpr):
+    """The keys program i_t's 128 query rows read: the first, and the number of BN-key steps to the last."""
+    t_r = i_t * (128 // G) + gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0])) // G
+    b_lo, b_hi = _range(t_r, t_r < NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
+    k_start = gl.min(b_lo, 0)
+    return k_start, gl.maximum(gl.cdiv(gl.max(b_hi, 0) - k_start, BN), 0)
 
 
 @gluon.jit
@@ -590,17 +645,10 @@ def _ws_fwd_consumer(q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v
                      STAGES: gl.constexpr, GATED: gl.constexpr):
     s_l: gl.constexpr = _ws_mma(BN)
     o_l: gl.constexpr = _ws_mma(DV)
-    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    r = half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, rows_l))
-    t_r = i_t * (128 // G) + r // G
-    rows = t_r.to(gl.int64) * (H * G) + i_h * G + r % G
+    t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, s_l))
     q_rows = q_smem.slice(half * 64, 64)                                                  # this warpgroup's 64 rows
-    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_l))
-    q_rows.store(gl.load(q + rows[:, None] * D + o_d[None, :], mask=(t_r < NT)[:, None], other=0.))
+    q_rows.store(_ws_load_rows(q, rows, m_r, D, gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
     fence_async_shared()
-    r = gl.convert_layout(r, gl.SliceLayout(1, s_l))
-    t_r = i_t * (128 // G) + r // G
-    m_r = t_r < NT
     b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
     f_lo = gl.max(gl.where(m_r, b_lo, -1), 0)                                             # keys every row reads
     f_hi = gl.min(gl.where(m_r, b_hi, INT_MAX), 0)
@@ -628,50 +676,104 @@ def _ws_fwd_consumer(q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v
         mbarrier.arrive(kv_free.index(s), count=1)
     l_safe = gl.where(l_i == 0., 1., l_i)                                                 # softmax_finish
     b_lse = gl.where(l_i == 0., float("-inf"), m_i + gl.log2(l_safe))
-    gl.store(lse + t_r.to(gl.int64) * (H * G) + i_h * G + r % G, b_lse * 0.6931471805599453, mask=m_r)
-    r = gl.convert_layout(r, gl.SliceLayout(1, o_l))
-    t_r = i_t * (128 // G) + r // G
-    m_r = t_r < NT
-    rows = t_r.to(gl.int64) * (H * G) + i_h * G + r % G
+    gl.store(lse + rows, b_lse * 0.6931471805599453, mask=m_r)
     b_o = acc * gl.convert_layout(1. / l_safe, gl.SliceLayout(1, o_l))[:, None]
     if GATED:
-        b_o = b_o * gl.load(gate + rows, mask=m_r, other=1.)[:, None]
-    o_e = gl.arange(0, DV, layout=gl.SliceLayout(0, o_l))
-    gl.store(o + rows[:, None] * DV + o_e[None, :], b_o.to(o.dtype.element_ty), mask=m_r[:, None])
+        b_o = b_o * gl.convert_layout(gl.load(gate + rows, mask=m_r, other=1.), gl.SliceLayout(1, o_l))[:, None]
+    _ws_store_rows(o, rows, m_r, b_o, DV, o_l)
 
 
 @gluon.jit
-def _ws_fwd_kernel(q, k_desc, v_desc, o, lse, gate, lo, hi, scale_log2, NT, KIND: gl.constexpr,
-                   VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
-                   DV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
+def _ws_dq_consumer(q, do, o, lse, lse2, delta, dq, gate, lo, hi, q_smem, do_smem, k_bufs, v_bufs, k_ready, v_ready,
+                    kv_free, i_t, i_h, half, k_start, n_steps, scale_log2, scale, NT, KIND: gl.constexpr,
+                    VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
+                    DV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
+    s_l: gl.constexpr = _ws_mma(BN)
+    q_l: gl.constexpr = _ws_mma(D)
+    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, rows_l))
+    q_rows = q_smem.slice(half * 64, 64)
+    do_rows = do_smem.slice(half * 64, 64)
+    q_rows.store(_ws_load_rows(q, rows, m_r, D, rows_l))
+    b_do = _ws_load_rows(do, rows, m_r, DV, rows_l)                                       # [64, DV]
+    do_rows.store(b_do)
+    fence_async_shared()
+    b_delta = gl.sum(_ws_load_rows(o, rows, m_r, DV, rows_l).to(gl.float32) * b_do.to(gl.float32), 1)
+    b_delta = gate_delta(b_delta, gate, rows, m_r, GATED)                                 # as _range_bwd_dq_kernel
+    gl.store(delta + rows, b_delta, mask=m_r)
+    b_lse = gl.load(lse + rows, mask=m_r, other=0.) * 1.4426950408889634
+    b_lse = gate_lse(gl.where(b_lse == float("-inf"), 0., b_lse), gate, rows, m_r, GATED)
+    gl.store(lse2 + rows, b_lse, mask=m_r)
+    b_delta = gl.convert_layout(b_delta, gl.SliceLayout(1, s_l))
+    b_lse = gl.convert_layout(b_lse, gl.SliceLayout(1, s_l))
+    t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, s_l))
+    b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
+    f_lo = gl.max(gl.where(m_r, b_lo, -1), 0)
+    f_hi = gl.min(gl.where(m_r, b_hi, INT_MAX), 0)
+    b_dq = gl.zeros([64, D], gl.float32, q_l)
+    o_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+    zero = gl.zeros([64, BN], gl.float32, s_l)
+    for j in range(n_steps):
+        s, ph = j % STAGES, (j // STAGES) & 1
+        k0 = k_start + j * BN
+        mbarrier.wait(k_ready.index(s), ph)
+        b_s = warpgroup_mma(q_rows, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(s), ph)
+        b_dp = warpgroup_mma(do_rows, v_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))                          # [64, BN]
+        b_p = gl.exp2(b_s * scale_log2 - b_lse[:, None])
+        if (k0 < f_lo) | (k0 + BN > f_hi):
+            c = k0 + o_n
+            b_p = gl.where((c[None, :] >= b_lo[:, None]) & (c[None, :] < b_hi[:, None]), b_p, 0.)
+        b_dp = warpgroup_mma_wait(num_outstanding=0, deps=(b_dp,))                        # [64, BN]
+        b_ds = gl.convert_layout((b_p * (b_dp - b_delta[:, None])).to(q.dtype.element_ty),
+                                 gl.DotOperandLayout(0, q_l, 2))
+        b_dq = warpgroup_mma(b_ds, k_bufs.index(s), b_dq, is_async=True)
+        b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq,))                        # [64, D]
+        mbarrier.arrive(kv_free.index(s), count=1)
+    _ws_store_rows(dq, rows, m_r, b_dq * scale, D, q_l)
+
+
+@gluon.jit
+def _ws_range_kernel(q, do, o, k_desc, v_desc, lse, lse2, delta, dq, gate, lo, hi, scale_log2, scale, NT,
+                     KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr,
+                     D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
+                     BWD: gl.constexpr):
+    """The forward (o, lse of q) or, with BWD, dq (and delta, lse2 for dk/dv) of 128 query rows."""
     i_t, i_h = gl.program_id(0), gl.program_id(1)
-    r = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
-    t_r = i_t * (128 // G) + r // G
-    b_lo, b_hi = _range(t_r, t_r < NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
-    k_start = gl.min(b_lo, 0)                                                             # the tile's key span
-    n_steps = gl.maximum(gl.cdiv(gl.max(b_hi, 0) - k_start, BN), 0)
+    k_start, n_steps = _ws_key_span(i_t, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, G, BN)
     q_smem = gl.allocate_shared_memory(q.dtype.element_ty, [128, D],
                                        gl.NVMMASharedLayout.get_default_for([128, D], q.dtype.element_ty))
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_free.index(i), count=2)
+    k_ready = _ws_barriers(STAGES, 1)
+    v_ready = _ws_barriers(STAGES, 1)
+    kv_free = _ws_barriers(STAGES, 2)                     # both consumers
     fence_async_shared()
-    gl.warp_specialize([
-        (_ws_fwd_consumer, (q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_t, i_h, 0,
-                            k_start, n_steps, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV, BN,
-                            STAGES, GATED)),
-        (_ws_fwd_consumer, (q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_t, i_h, 1,
-                            k_start, n_steps, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV, BN,
-                            STAGES, GATED)),
-        (_ws_fwd_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_h, k_start, n_steps, D, DV, BN,
-                          STAGES)),
-    ], [4, 1], [240, 24])
+    if BWD:
+        do_smem = gl.allocate_shared_memory(q.dtype.element_ty, [128, DV],
+                                            gl.NVMMASharedLayout.get_default_for([128, DV], q.dtype.element_ty))
+        gl.warp_specialize([
+            (_ws_dq_consumer, (q, do, o, lse, lse2, delta, dq, gate, lo, hi, q_smem, do_smem, k_bufs, v_bufs, k_ready,
+                               v_ready, kv_free, i_t, i_h, 0, k_start, n_steps, scale_log2, scale, NT, KIND, VARLEN,
+                               SEQ_T, SEQ_TK, A, BB, H, G, D, DV, BN, STAGES, GATED)),
+            (_ws_dq_consumer, (q, do, o, lse, lse2, delta, dq, gate, lo, hi, q_smem, do_smem, k_bufs, v_bufs, k_ready,
+                               v_ready, kv_free, i_t, i_h, 1, k_start, n_steps, scale_log2, scale, NT, KIND, VARLEN,
+                               SEQ_T, SEQ_TK, A, BB, H, G, D, DV, BN, STAGES, GATED)),
+            (_ws_fwd_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_h, k_start, n_steps, D, DV,
+                              BN, STAGES)),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_ws_fwd_consumer, (q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_t, i_h,
+                                0, k_start, n_steps, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV,
+                                BN, STAGES, GATED)),
+            (_ws_fwd_consumer, (q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_t, i_h,
+                                1, k_start, n_steps, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV,
+                                BN, STAGES, GATED)),
+            (_ws_fwd_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_h, k_start, n_steps, D, DV,
+                              BN, STAGES)),
+        ], [4, 1], [240, 24])
 
 
 @gluon.jit
@@ -771,14 +873,9 @@ def _ws_dkv_kernel(q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, qlo, qhi
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    qd_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    qd_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(kv_ready.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(qd_ready.index(i), count=1)
-        mbarrier.init(qd_free.index(i), count=2)
+    kv_ready = _ws_barriers(2, 1)                         # each consumer's keys
+    qd_ready = _ws_barriers(STAGES, 1)
+    qd_free = _ws_barriers(STAGES, 2)                     # both consumers
     fence_async_shared()
     gl.warp_specialize([
         (_ws_dkv_consumer, (lse, delta, dk, dv, qlo, qhi, k_smem, v_smem, q_bufs, do_bufs, kv_ready, qd_ready, qd_free,
@@ -1196,13 +1293,12 @@ def _range_fwd(q, k, v, gate, geo, lo, hi, scale):
     if NT == 0:
         return o, lse
     H, G = k.shape[1], HQ // k.shape[1]
-    if geo["KIND"] == 0 and not geo["VARLEN"] and geo["SEQ_T"] >= WS_FWD_MIN_T and _ws_applies(q, k, v):
-        # (not with var-length input: its padding keys may hold NaN, and 0 * NaN would reach o through p v)
+    if _ws_rows_apply(geo) and _ws_applies(q, k, v):
         D, DV = q.shape[2], v.shape[2]
-        _ws_fwd_kernel[(triton.cdiv(NT, 128 // G), H)](
-            q, _ws_desc(k.view(-1, H * D), [128, D]), _ws_desc(v.view(-1, H * DV), [128, DV]), o, lse, gate, lo, hi,
-            scale * math.log2(math.e), NT, **geo, H=H, G=G, D=D, DV=DV, BN=128, STAGES=2, GATED=gate is not None,
-            num_warps=4)
+        _ws_range_kernel[(triton.cdiv(NT, 128 // G), H)](
+            q, None, o, _ws_desc(k.view(-1, H * D), [128, D]), _ws_desc(v.view(-1, H * DV), [128, DV]), lse, None,
+            None, None, gate, lo, hi, scale * math.log2(math.e), 1., NT, **geo, H=H, G=G, D=D, DV=DV, BN=128,
+            STAGES=2, GATED=gate is not None, BWD=False, num_warps=4)
         return o, lse
     M, launch = _launch_cfg("fwd", q, k, v)
     c, BT = _sizes(q, k, v, M)
@@ -1222,7 +1318,13 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale):
     delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta)                        # the dq kernel's base-2 gated lse (gate_lse), for dk/dv
     sl2 = scale * math.log2(math.e)
-    if NT > 0:
+    if NT > 0 and _ws_rows_apply(geo) and _ws_applies(q, k, v, do):
+        H, D, DV = k.shape[1], q.shape[2], v.shape[2]
+        _ws_range_kernel[(triton.cdiv(NT, 128 // (HQ // H)), H)](
+            q, do, o, _ws_desc(k.view(-1, H * D), [64, D]), _ws_desc(v.view(-1, H * DV), [64, DV]), lse, lse2, delta,
+            dq, gate, lo, hi, sl2, scale, NT, **geo, H=H, G=HQ // H, D=D, DV=DV, BN=64, STAGES=2,
+            GATED=gate is not None, BWD=True, num_warps=4)
+    elif NT > 0:
         M, launch = _launch_cfg("dq", q, k, v)
         c, BT = _sizes(q, k, v, M)
         kb, vb, boxes = _range_keys(k, v, geo, launch["BN"], c)

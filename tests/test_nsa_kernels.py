@@ -307,6 +307,7 @@ def poison_allocations(monkeypatch):
     """From here on every buffer torch.empty / empty_like allocates starts as NaN (ints as -2^30)."""
     empty, empty_like = torch.empty, torch.empty_like
 
+    @torch.no_grad()                                      # (a leaf that requires grad may be filled so too)
     def poison(x):
         return x.fill_(float("nan")) if x.is_floating_point() else x.fill_(-(1 << 30))
 
@@ -478,15 +479,18 @@ HOPPER_SHAPES = [(1, 128, False, torch.bfloat16), (2, 64, True, torch.float16), 
 @pytest.mark.parametrize("G,D,gated,dtype", HOPPER_SHAPES, ids=[f"G{G}-D{D}-{'gated' if g else 'plain'}-{str(t)[6:]}"
                                                                  for G, D, g, t in HOPPER_SHAPES])
 def test_compressed_hopper_gpu(G, D, gated, dtype, monkeypatch):
-    """The warp-specialised compressed forward and dk/dv (the forward at every T here) against the reference: two
-    rows of 130 compressed keys (a 128-key tile and 2 keys), queries split into token chunks; and var-length input
-    (where the forward stays Triton's) with NaN padding keys and NaN-poisoned buffers."""
+    """The warp-specialised compressed forward, dq and dk/dv (the forward and dq at every T here) against the reference,
+    every buffer they allocate NaN-poisoned: two rows of 130 compressed keys (a 128-key tile and 2 keys), queries
+    split into token chunks; and var-length input (where the forward and dq stay Triton's) with NaN padding keys."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised kernels are Hopper's")
-    monkeypatch.setattr(nk, "WS_FWD_MIN_T", 0)
+    monkeypatch.setattr(nk, "WS_MIN_T", 0)
     q = torch.empty(1, 8, 2 * G, D, device="cuda", dtype=dtype)
     assert nk._ws_applies(nk.pack(q), q[0, :, :2], q[0, :, :2])
+    poison_allocations(monkeypatch)
     out, ref = run_cmp(2, 2100, 2 * G, 2, D, D, 32, 16, dtype, device="cuda", seed=G + D, gated=gated)
+    monkeypatch.undo()
+    monkeypatch.setattr(nk, "WS_MIN_T", 0)
     check(out, ref, 1e-2, CMP_NAMES + (("dgate",) if gated else ()))
     cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
     out, ref = run_cmp(1, 2000, 2 * G, 2, D, D, 32, 16, dtype, device="cuda", seed=G, cu=cu, gated=gated)
