@@ -374,12 +374,18 @@ def _key_tile(i_k, r, NK, VARLEN: tl.constexpr, SEQ_T, SEQ_TK, BN: tl.constexpr)
 # range attention forward: o = softmax(scale * q k^T) v over keys [lo[t], hi[t]), base-2 softmax, fp32 accumulate
 
 @triton.jit
+def _read_by_all(lo, hi, valid):
+    """[f_lo, f_hi): the keys every valid row reads (lo, hi: per-row ranges, valid: the rows that count); a step
+    inside it needs no mask."""
+    return tl.max(tl.where(valid, lo, -1), 0), tl.min(tl.where(valid, hi, INT_MAX), 0)
+
+
+@triton.jit
 def _split(lo, hi, valid, BN: tl.constexpr):
     """Cut [min lo, max hi) into [start, a) masked, [a, b) unmasked (every valid row reads every key of each BN-step,
     aligned on start), [b, end) masked. lo, hi: per-row ranges, valid: the rows that count."""
     start, end = tl.min(lo, 0), tl.max(hi, 0)
-    f_lo = tl.max(tl.where(valid, lo, -1), 0)             # keys every valid row reads: [f_lo, f_hi)
-    f_hi = tl.min(tl.where(valid, hi, INT_MAX), 0)
+    f_lo, f_hi = _read_by_all(lo, hi, valid)
     a = tl.minimum(start + (tl.maximum(f_lo - start, 0) + BN - 1) // BN * BN, end)
     b = a + tl.maximum(tl.minimum(f_hi, end) - a, 0) // BN * BN
     return start, a, b, end
@@ -650,8 +656,7 @@ def _ws_fwd_consumer(q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v
     q_rows.store(_ws_load_rows(q, rows, m_r, D, gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
     fence_async_shared()
     b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
-    f_lo = gl.max(gl.where(m_r, b_lo, -1), 0)                                             # keys every row reads
-    f_hi = gl.min(gl.where(m_r, b_hi, INT_MAX), 0)
+    f_lo, f_hi = _read_by_all(b_lo, b_hi, m_r)                                            # keys every row reads
     m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
     l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
     acc = gl.zeros([64, DV], gl.float32, o_l)
@@ -708,8 +713,7 @@ def _ws_dq_consumer(q, do, o, lse, lse2, delta, dq, gate, lo, hi, q_smem, do_sme
     b_lse = gl.convert_layout(b_lse, gl.SliceLayout(1, s_l))
     t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, s_l))
     b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
-    f_lo = gl.max(gl.where(m_r, b_lo, -1), 0)
-    f_hi = gl.min(gl.where(m_r, b_hi, INT_MAX), 0)
+    f_lo, f_hi = _read_by_all(b_lo, b_hi, m_r)
     b_dq = gl.zeros([64, D], gl.float32, q_l)
     o_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
     zero = gl.zeros([64, BN], gl.float32, s_l)
@@ -807,8 +811,7 @@ def _ws_dkv_consumer(lse, delta, dk, dv, qlo, qhi, k_smem, v_smem, q_bufs, do_bu
     b_qlo, b_qhi = _range(c, m_k, qlo, qhi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=True)
     b_qlo = gl.maximum(b_qlo, q0 + i_q * QCH)                                             # this program's chunk
     b_qhi = gl.minimum(b_qhi, q0 + (i_q + 1) * QCH)
-    f_lo = gl.max(gl.where(m_k, b_qlo, -1), 0)                                            # tokens every key reads
-    f_hi = gl.min(gl.where(m_k, b_qhi, INT_MAX), 0)
+    f_lo, f_hi = _read_by_all(b_qlo, b_qhi, m_k)                                          # tokens every key reads
     b_dk = gl.zeros([64, D], gl.float32, k_l)
     b_dv = gl.zeros([64, DV], gl.float32, v_l)
     r = gl.arange(0, M, layout=gl.SliceLayout(0, s_l))
