@@ -60,7 +60,7 @@ warmup_ms = 25  # triton.testing.do_bench warmup (ms)
 rep_ms = 100  # triton.testing.do_bench repetitions (ms)
 csv = ""  # write the table here too
 seed = 1337
-hopper_ws = True  # the warp-specialised kernels on Hopper where nsa_kernels takes them (False: Triton's only)
+hopper_ws = True  # the warp-specialised kernels on Hopper where the kernel files take them (False: Triton's only)
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configurator.py")).read())  # overrides
 check_choice(mode=("selection", "layer", "decode"), dtype=("float16", "bfloat16"),
              indices=("select", "random", "trained"))

@@ -66,7 +66,8 @@ DKV_PROGRAMS = 2048
 DKV_FEW_PROGRAMS = 256  # range dk/dv grids below this (about two 4-warp programs per H100 SM) take "dkv_few"
 # Hopper (_ws_applies): the compressed branch's dk/dv, and its forward and dq on rows of at least WS_MIN_T tokens,
 # take the warp-specialised kernels ("range attention on Hopper" below), where they were faster on one H100 and one
-# H200 (T = 8k-64k, G = 4 and 16; not the window's); HOPPER_WS = False keeps Triton's everywhere (bench.py --hopper_ws)
+# H200 (T = 8k-64k, G = 4 and 16; not the window's), as do two of sel_kernel.py's kernels; HOPPER_WS = False keeps
+# Triton's everywhere (bench.py --hopper_ws)
 WS_MIN_T = 32768
 HOPPER_WS = True
 # launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed

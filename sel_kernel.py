@@ -10,9 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
+import nsa_kernels
 from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse, gate_out, group_rows, head_sizes,
                          key_rows, key_tile, launch_entry, load_rows, pack, pack_gate, sequences, softmax_finish,
                          softmax_rescale, softmax_step, sort_rows, store_rows, tile_m, tile_rows, tma_boxes)
+from nsa_kernels import (_ws_barriers, _ws_desc, _ws_load_rows, _ws_mma, _ws_store_rows, fence_async_shared, gl, gluon,
+                         mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)  # the warp-specialised kernels' pieces
 
 # Layout of the work (NT = all packed tokens, H kv heads, G = HQ / H query heads per kv head, l' = sel_block, n slots):
 # - forward and dq: query-centric. One program = BT = M // G consecutive tokens x the G heads of one kv group (an
@@ -45,6 +48,9 @@ from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse,
 #   the ids cleaned by a small kernel (out of [0, t // l'] or repeating an earlier slot's -> -1), which also writes
 #   each pair's sort key, and each window's reverse index: one sort of its keys, then lists and chunks found by
 #   binary search at the granularity of blocks and chunks (no pass over the pairs but the sort).
+# - on Hopper (nsa_kernels._ws_applies: HOPPER_WS, 16-bit, heads of 64 or 128) two of these run as warp-specialised
+#   Gluon kernels, as nsa_kernels' compressed branch does: the query path's dk/dv at G >= 8 and the forward's union
+#   tiles where they run unsplit (their sections say how; RESULTS.md what they gain).
 # The file reads: inner loops -> kernels -> host launchers (_fwd, _bwd) -> ops -> selection_attention_triton.
 
 DS_MAX_BYTES = 2 ** 31  # query path: dq from the dk/dv kernel's score gradients while they take at most this much
@@ -430,6 +436,288 @@ def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seq, seg_c0, seg_c1, N
         b_dv += load_rows(dv, out, m_u, DV, BDV)
     store_rows(dk, out, m_u, b_dk, D, BD)
     store_rows(dv, out, m_u, b_dv, DV, BDV)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dk/dv on Hopper (Gluon): nsa_kernels' warp-specialised dk/dv on the reverse index's chunks, on the query path. One
+# program = two chunks (one per consumer warpgroup, each with its own block of 64 keys, loaded once); a loader warp
+# per consumer streams its chunk's pairs' Q and dO as [1, G, D] TMA boxes (a pair's G query rows are contiguous),
+# BT = 64 / G pairs a step, into the consumer's ring. Past a chunk's end it loads the chunk's last pair again (finite
+# rows, masked out), so no stale shared memory reaches the dots. G >= 8: a box must span the 8 rows of the shared
+# memory swizzle, which also needs G * D * 2 bytes >= 1 KiB (triton 3.6 and 3.7 do not compile G = 4).
+
+
+@gluon.jit
+def _ws_sel_dkv_loader(q_desc, do_desc, k_desc, v_desc, perm, c_begin, c_end, c_key, k_smem, v_smem, q_bufs, do_bufs,
+                       kv_ready, qd_ready, qd_free, i_p, half, NC, NT, T0, H: gl.constexpr, G: gl.constexpr,
+                       D: gl.constexpr, DV: gl.constexpr, NS: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer `half`'s chunk: its block's K and V once, then each step's BT pairs' Q and dO rows."""
+    i_c = gl.minimum(i_p * 2 + half, NC - 1)              # (no second chunk: its keys are loaded, it takes no step)
+    e0 = gl.load(c_begin + i_c)
+    e1 = gl.where(i_p * 2 + half < NC, gl.load(c_end + i_c), e0)
+    key = gl.load(c_key + i_c)                            # kv head * NT + the block's first key
+    i_h = (key // NT).to(gl.int32)
+    mbarrier.expect(kv_ready.index(half), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [(key % NT).to(gl.int32), i_h * D], kv_ready.index(half),
+                                    k_smem.index(half))
+    tma.async_copy_global_to_shared(v_desc, [(key % NT).to(gl.int32), i_h * DV], kv_ready.index(half),
+                                    v_smem.index(half))
+    for j in range(gl.cdiv(e1 - e0, BT).to(gl.int32)):
+        s, ph = j % STAGES, (j // STAGES) & 1
+        b = half * STAGES + s
+        mbarrier.wait(qd_free.index(b), ph ^ 1)
+        mbarrier.expect(qd_ready.index(b), BT * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
+        for p in gl.static_range(BT):                     # past the chunk's end its last pair again (masked)
+            t = (T0 + gl.load(perm + gl.minimum(e0 + j * BT + p, e1 - 1)) // (H * NS)).to(gl.int32)
+            tma.async_copy_global_to_shared(q_desc, [t, i_h * G, 0], qd_ready.index(b), q_bufs.index(b).slice(p, 1))
+            tma.async_copy_global_to_shared(do_desc, [t, i_h * G, 0], qd_ready.index(b),
+                                            do_bufs.index(b).slice(p, 1))
+
+
+@gluon.jit
+def _ws_sel_rows(perm, pos, lse, delta, e, e1, i_h, T0, H: gl.constexpr, G: gl.constexpr, NS: gl.constexpr,
+                 layout: gl.constexpr):
+    """The 64 query rows (pair, head) of one step from entry e of a chunk ending at e1, in `layout`: the row mask,
+    their positions, lse, delta and score-gradient rows (as _ds_rows)."""
+    r = gl.arange(0, 64, layout=layout)
+    e_r = e + r // G
+    m_r = e_r < e1
+    pair = gl.load(perm + e_r, mask=m_r, other=0)
+    t_r = T0 + pair // (H * NS)
+    rows = t_r.to(gl.int64) * (H * G) + i_h * G + r % G
+    rel = gl.load(pos + t_r, mask=m_r, other=-1)
+    ds_r = ((t_r.to(gl.int64) * H + i_h) * NS + pair % NS) * G + r % G
+    return (m_r, rel, gl.load(lse + rows, mask=m_r, other=0.), gl.load(delta + rows, mask=m_r, other=0.), ds_r)
+
+
+@gluon.jit
+def _ws_sel_dkv_consumer(perm, c_begin, c_end, c_key, pos, lse, delta, dk_part, dv_part, ds, k_smem, v_smem, q_bufs,
+                         do_bufs, kv_ready, qd_ready, qd_free, i_p, half, scale_log2, scale, NC, NT, T0,
+                         H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, NS: gl.constexpr,
+                         BSP: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, WRITE_DS: gl.constexpr):
+    M: gl.constexpr = BT * G                                                              # query rows a step: 64
+    s_l: gl.constexpr = _ws_mma(M)
+    k_l: gl.constexpr = _ws_mma(D)
+    v_l: gl.constexpr = _ws_mma(DV)
+    vec_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    i_c = i_p * 2 + half
+    valid = i_c < NC
+    i_c = gl.minimum(i_c, NC - 1)
+    e0 = gl.load(c_begin + i_c)
+    e1 = gl.where(valid, gl.load(c_end + i_c), e0)
+    key = gl.load(c_key + i_c)
+    i_h = (key // NT).to(gl.int32)
+    kst = key % NT
+    o_k = gl.arange(0, 64, layout=gl.SliceLayout(1, s_l))                                # the block's keys
+    u = kst + o_k
+    rel_k = gl.load(pos + kst) + o_k
+    m_k = (u < NT) & (e0 < e1)
+    m_k &= gl.load(pos + u, mask=m_k, other=-1) == rel_k  # keys of the next sequence never count
+    b_dk = gl.zeros([64, D], gl.float32, k_l)
+    b_dv = gl.zeros([64, DV], gl.float32, v_l)
+    n_m, n_rel, n_lse, n_delta, n_ds = _ws_sel_rows(perm, pos, lse, delta, e0, e1, i_h, T0, H, G, NS, vec_l)
+    mbarrier.wait(kv_ready.index(half), 0)
+    for j in range(gl.cdiv(e1 - e0, BT).to(gl.int32)):
+        s, ph = j % STAGES, (j // STAGES) & 1
+        b = half * STAGES + s
+        rel_r = gl.convert_layout(n_rel, gl.SliceLayout(0, s_l))                          # -1: no row
+        b_lse = gl.convert_layout(n_lse, gl.SliceLayout(0, s_l))                          # base 2, gated
+        b_delta = gl.convert_layout(n_delta, gl.SliceLayout(0, s_l))
+        m_r, ds_r = n_m, n_ds                                                             # compact, for the ds store
+        n_m, n_rel, n_lse, n_delta, n_ds = _ws_sel_rows(perm, pos, lse, delta, e0 + (j + 1) * BT, e1, i_h, T0, H, G,
+                                                        NS, vec_l)                       # the next step's rows
+        mbarrier.wait(qd_ready.index(b), ph)
+        q_s = q_bufs.index(b).reshape([M, D])
+        do_s = do_bufs.index(b).reshape([M, DV])
+        zero = gl.zeros([64, M], gl.float32, s_l)
+        b_st = warpgroup_mma(k_smem.index(half), q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+        b_dpt = warpgroup_mma(v_smem.index(half), do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+        b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))                        # s^T [64 keys, M]
+        m_s = m_k[:, None] & (rel_k[:, None] <= rel_r[None, :])
+        b_pt = gl.where(m_s, gl.exp2(b_st * scale_log2 - b_lse[None, :]), 0.)
+        b_dv = warpgroup_mma(gl.convert_layout(b_pt.to(q_s.dtype), gl.DotOperandLayout(0, v_l, 2)), do_s, b_dv,
+                             is_async=True)
+        b_dpt = warpgroup_mma_wait(num_outstanding=1, deps=(b_dpt,))                      # dp^T [64 keys, M]
+        b_dst = b_pt * (b_dpt - b_delta[None, :])
+        b_dk = warpgroup_mma(gl.convert_layout(b_dst.to(q_s.dtype), gl.DotOperandLayout(0, k_l, 2)), q_s, b_dk,
+                             is_async=True)
+        if WRITE_DS:                                      # row ds_r, column key (8 keys a thread): 0 where p is
+            ds_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
+            b_ds = gl.convert_layout(b_dst.to(ds.dtype.element_ty), ds_l)
+            d_r = gl.convert_layout(ds_r, gl.SliceLayout(0, ds_l))
+            d_m = gl.convert_layout(m_r, gl.SliceLayout(0, ds_l))
+            d_k = gl.arange(0, 64, layout=gl.SliceLayout(1, ds_l))
+            gl.store(ds + d_r[None, :] * BSP + d_k[:, None], b_ds, mask=d_m[None, :])
+        b_dv, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk))
+        mbarrier.arrive(qd_free.index(b), count=1)
+    part = i_c.to(gl.int64) * BSP                                                         # all 64 rows, as Triton's
+    ck = part + gl.arange(0, 64, layout=gl.SliceLayout(1, k_l))
+    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, k_l))
+    gl.store(dk_part + ck[:, None] * D + o_d[None, :], b_dk * scale, mask=(ck[:, None] >= 0) & valid)
+    cv = part + gl.arange(0, 64, layout=gl.SliceLayout(1, v_l))
+    o_e = gl.arange(0, DV, layout=gl.SliceLayout(0, v_l))
+    gl.store(dv_part + cv[:, None] * DV + o_e[None, :], b_dv, mask=(cv[:, None] >= 0) & valid)
+
+
+@gluon.jit
+def _ws_sel_dkv_kernel(q_desc, do_desc, k_desc, v_desc, lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part,
+                       ds, pos, scale_log2, scale, NC, NT, T0, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
+                       DV: gl.constexpr, NS: gl.constexpr, BSP: gl.constexpr, BT: gl.constexpr,
+                       STAGES: gl.constexpr, WRITE_DS: gl.constexpr):
+    i_p = gl.program_id(0)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * STAGES, BT, G, D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2 * STAGES, BT, G, DV], do_desc.layout)
+    kv_ready = _ws_barriers(2, 1)
+    qd_ready = _ws_barriers(2 * STAGES, 1)
+    qd_free = _ws_barriers(2 * STAGES, 1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_ws_sel_dkv_consumer, (perm, c_begin, c_end, c_key, pos, lse, delta, dk_part, dv_part, ds, k_smem, v_smem,
+                                q_bufs, do_bufs, kv_ready, qd_ready, qd_free, i_p, 0, scale_log2, scale, NC, NT, T0, H,
+                                G, D, DV, NS, BSP, BT, STAGES, WRITE_DS)),
+        (_ws_sel_dkv_consumer, (perm, c_begin, c_end, c_key, pos, lse, delta, dk_part, dv_part, ds, k_smem, v_smem,
+                                q_bufs, do_bufs, kv_ready, qd_ready, qd_free, i_p, 1, scale_log2, scale, NC, NT, T0, H,
+                                G, D, DV, NS, BSP, BT, STAGES, WRITE_DS)),
+        (_ws_sel_dkv_loader, (q_desc, do_desc, k_desc, v_desc, perm, c_begin, c_end, c_key, k_smem, v_smem, q_bufs,
+                              do_bufs, kv_ready, qd_ready, qd_free, i_p, 0, NC, NT, T0, H, G, D, DV, NS, BT, STAGES)),
+        (_ws_sel_dkv_loader, (q_desc, do_desc, k_desc, v_desc, perm, c_begin, c_end, c_key, k_smem, v_smem, q_bufs,
+                              do_bufs, kv_ready, qd_ready, qd_free, i_p, 1, NC, NT, T0, H, G, D, DV, NS, BT, STAGES)),
+    ], [4, 1, 1], [240, 24, 24])
+
+
+def _ws_sel_dkv(qf, kf, vf, dof, lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part, ds, pos, scale_log2,
+                scale, NT, t0, NS, BSP):
+    """Launches _ws_sel_dkv_kernel: qf (NT, HQ, D), kf (NT, H, D), vf, dof packed; blocks of 64 keys (BSP = 64)."""
+    H, G, D, DV = kf.shape[1], qf.shape[1] // kf.shape[1], qf.shape[2], vf.shape[2]
+    BT = 64 // G
+    NC = c_begin.numel()
+    _ws_sel_dkv_kernel[(triton.cdiv(NC, 2),)](
+        _ws_desc(qf, [1, G, D]), _ws_desc(dof, [1, G, DV]), _ws_desc(kf.view(-1, H * D), [64, D]),
+        _ws_desc(vf.view(-1, H * DV), [64, DV]), lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part, ds, pos,
+        scale_log2, scale, NC, NT, t0, H=H, G=G, D=D, DV=DV, NS=NS, BSP=BSP, BT=BT, STAGES=2, WRITE_DS=ds is not None,
+        num_warps=4)
+
+
+# forward on union tiles on Hopper (Gluon): _sel_fwd_kernel's union tiles of 64 rows, where they run unsplit (rows
+# of at most UNION_MAX_T["fwd"] tokens). One program = two union tiles of one kv head (one per consumer warpgroup); a
+# loader warp per consumer streams the K and V blocks of its tile's union list by TMA; the consumer holds its Q rows
+# in shared memory and runs the online softmax over the blocks, each masked to the rows whose token chose it, causally.
+
+@gluon.jit
+def _ws_tile_blocks(cnt, i_t, i_h, NTILES, H: gl.constexpr):
+    """How many blocks union tile i_t of kv head i_h lists (0 past the last tile)."""
+    return gl.where(i_t < NTILES, gl.load(cnt + gl.minimum(i_t, NTILES - 1) * H + i_h), 0)
+
+
+@gluon.jit
+def _ws_union_fwd_loader(k_desc, v_desc, lst, cnt, k_bufs, v_bufs, kv_ready, kv_free, i_p, half, i_h, NTILES,
+                         H: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, LW: gl.constexpr, STAGES: gl.constexpr):
+    i_t = i_p * 2 + half
+    for f in range(_ws_tile_blocks(cnt, i_t, i_h, NTILES, H)):
+        s, ph = f % STAGES, (f // STAGES) & 1
+        b = half * STAGES + s
+        u0 = gl.load(lst + (i_t * H + i_h).to(gl.int64) * LW + f)
+        mbarrier.wait(kv_free.index(b), ph ^ 1)
+        mbarrier.expect(kv_ready.index(b), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [u0, i_h * D], kv_ready.index(b), k_bufs.index(b))
+        tma.async_copy_global_to_shared(v_desc, [u0, i_h * DV], kv_ready.index(b), v_bufs.index(b))
+
+
+@gluon.jit
+def _ws_union_fwd_consumer(q, o, lse, gate, idx, pos, order, lst, cnt, q_smem, k_bufs, v_bufs, kv_ready, kv_free,
+                           i_p, half, i_h, scale_log2, NT, NTILES, H: gl.constexpr, G: gl.constexpr,
+                           D: gl.constexpr, DV: gl.constexpr, NS: gl.constexpr, BNS: gl.constexpr, LW: gl.constexpr,
+                           BS: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
+    s_l: gl.constexpr = _ws_mma(64)
+    o_l: gl.constexpr = _ws_mma(DV)
+    idx_l: gl.constexpr = gl.BlockedLayout([1, BNS], [32, 1], [4, 1], [1, 0])              # a row's slots in a thread
+    BT: gl.constexpr = 64 // G
+    i_t = i_p * 2 + half
+    n_f = _ws_tile_blocks(cnt, i_t, i_h, NTILES, H)
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, idx_l))
+    p = i_t * BT + r // G                                                                 # places in order[i_h]
+    t = gl.load(order + i_h.to(gl.int64) * NT + p, mask=p < NT, other=NT)
+    m_t = t < NT
+    rows = t.to(gl.int64) * (H * G) + i_h * G + r % G
+    bos = t - gl.load(pos + t, mask=m_t, other=0)                                         # sequence starts
+    o_s = gl.arange(0, BNS, layout=gl.SliceLayout(0, idx_l))
+    b_idx = gl.load(idx + ((t.to(gl.int64) * H + i_h) * NS)[:, None] + o_s[None, :],
+                    mask=m_t[:, None] & (o_s < NS)[None, :], other=-1)                    # [64, BNS]
+    b_start = gl.where(b_idx >= 0, bos[:, None] + b_idx * BS, -1)
+    q_rows = q_smem.index(half)
+    q_rows.store(_ws_load_rows(q, rows, m_t, D, gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
+    fence_async_shared()
+    t_s = gl.convert_layout(t, gl.SliceLayout(1, s_l))
+    o_k = gl.arange(0, 64, layout=gl.SliceLayout(0, s_l))
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
+    acc = gl.zeros([64, DV], gl.float32, o_l)
+    for f in range(n_f):
+        s, ph = f % STAGES, (f // STAGES) & 1
+        b = half * STAGES + s
+        u0 = gl.load(lst + (i_t * H + i_h).to(gl.int64) * LW + f)
+        m_row = m_t & (gl.max((b_start == u0).to(gl.int32), 1) > 0)                      # the rows that chose it
+        rel_u = gl.convert_layout(gl.where(m_row, t - u0, -1), gl.SliceLayout(1, s_l))   # keys each reads, from u0
+        mbarrier.wait(kv_ready.index(b), ph)
+        b_s = warpgroup_mma(q_rows, k_bufs.index(b).permute((1, 0)), gl.zeros([64, 64], gl.float32, s_l),
+                            use_acc=False, is_async=True)
+        b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))                          # [64, 64]
+        b_s = gl.where(o_k[None, :] <= rel_u[:, None], b_s, float("-inf"))               # causal inside the block
+        m_i, alpha, b_p = softmax_rescale(b_s, m_i, scale_log2)
+        l_i = l_i * alpha + gl.sum(b_p, 1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        b_p = gl.convert_layout(b_p.to(q.dtype.element_ty), gl.DotOperandLayout(0, o_l, 2))
+        acc = warpgroup_mma(b_p, v_bufs.index(b), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))                          # [64, DV]
+        mbarrier.arrive(kv_free.index(b), count=1)
+    l_safe = gl.where(l_i == 0., 1., l_i)                                                 # softmax_finish
+    rows_s = gl.convert_layout(rows, gl.SliceLayout(1, s_l))
+    m_s = gl.convert_layout(m_t, gl.SliceLayout(1, s_l))
+    gl.store(lse + rows_s, gl.where(l_i == 0., float("-inf"), m_i + gl.log2(l_safe)), mask=m_s)   # base 2
+    b_o = acc * gl.convert_layout(1. / l_safe, gl.SliceLayout(1, o_l))[:, None]
+    if GATED:
+        b_o = b_o * gl.convert_layout(gl.load(gate + rows_s, mask=m_s, other=1.), gl.SliceLayout(1, o_l))[:, None]
+    _ws_store_rows(o, rows, m_t, b_o, DV, o_l)
+
+
+@gluon.jit
+def _ws_union_fwd_kernel(q, k_desc, v_desc, o, lse, gate, idx, pos, order, lst, cnt, scale_log2, NT, NTILES,
+                         H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, NS: gl.constexpr,
+                         BNS: gl.constexpr, LW: gl.constexpr, BS: gl.constexpr, STAGES: gl.constexpr,
+                         GATED: gl.constexpr):
+    i_p, i_h = gl.program_id(0), gl.program_id(1)
+    q_smem = gl.allocate_shared_memory(q.dtype.element_ty, [2, 64, D],
+                                       gl.NVMMASharedLayout.get_default_for([64, D], q.dtype.element_ty))
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2 * STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2 * STAGES] + v_desc.block_type.shape, v_desc.layout)
+    kv_ready = _ws_barriers(2 * STAGES, 1)
+    kv_free = _ws_barriers(2 * STAGES, 1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_ws_union_fwd_consumer, (q, o, lse, gate, idx, pos, order, lst, cnt, q_smem, k_bufs, v_bufs, kv_ready,
+                                  kv_free, i_p, 0, i_h, scale_log2, NT, NTILES, H, G, D, DV, NS, BNS, LW, BS,
+                                  STAGES, GATED)),
+        (_ws_union_fwd_consumer, (q, o, lse, gate, idx, pos, order, lst, cnt, q_smem, k_bufs, v_bufs, kv_ready,
+                                  kv_free, i_p, 1, i_h, scale_log2, NT, NTILES, H, G, D, DV, NS, BNS, LW, BS,
+                                  STAGES, GATED)),
+        (_ws_union_fwd_loader, (k_desc, v_desc, lst, cnt, k_bufs, v_bufs, kv_ready, kv_free, i_p, 0, i_h, NTILES,
+                                H, D, DV, LW, STAGES)),
+        (_ws_union_fwd_loader, (k_desc, v_desc, lst, cnt, k_bufs, v_bufs, kv_ready, kv_free, i_p, 1, i_h, NTILES,
+                                H, D, DV, LW, STAGES)),
+    ], [4, 1, 1], [240, 24, 24])
+
+
+def _ws_union_fwd(qf, kf, vf, o, lse, gf, idx, pos, order, lst, cnt, scale_log2, NT, NS, sel_block, STAGES=2):
+    """Launches _ws_union_fwd_kernel on union tiles of 64 // G tokens."""
+    H, D, DV = kf.shape[1], kf.shape[2], vf.shape[2]
+    G = qf.shape[1] // H
+    NTILES = triton.cdiv(NT, 64 // G)
+    _ws_union_fwd_kernel[(triton.cdiv(NTILES, 2), H)](
+        qf, _ws_desc(kf.view(-1, H * D), [64, D]), _ws_desc(vf.view(-1, H * DV), [64, DV]), o, lse, gf, idx, pos,
+        order, lst, cnt, scale_log2, NT, NTILES, H=H, G=G, D=D, DV=DV, NS=NS, BNS=triton.next_power_of_2(NS),
+        LW=lst.shape[1], BS=sel_block, STAGES=STAGES, GATED=gf is not None, num_warps=4)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -946,6 +1234,10 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
     kb, vb, boxes = tma_boxes(kf, vf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BDV"]])
     for grid, kw in launches:
+        if (kw["UNION"] and kw["M"] == 64 and "SPLIT" not in kw and sel_block == 64 and c["BK"] == 64 and
+                nsa_kernels._ws_applies(qf, kf, vf)):
+            _ws_union_fwd(qf, kf, vf, o, lse, gf, idx, pos, order, lst, cnt, scale_log2, NT, NS, sel_block)
+            continue
         _sel_fwd_kernel[grid](qf, kb, vb, o, lse, gf, idx, pos, order, lst, cnt, scale_log2, NT, NS=NS,
                               BNS=triton.next_power_of_2(NS), BOXES=boxes, GATED=gf is not None, **c, **kw)
     return o.view(B, T, HQ, DV), lse.view(B, T, HQ)
@@ -997,9 +1289,14 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
         NC = c_begin.numel()
         dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
         dv_part = torch.empty(NC, BSP, DV, device=q.device, dtype=torch.float32)
-        _sel_bwd_dkv_kernel[(NC, NKC)](qf, kf, vf, dof, lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part,
-                                       dq_part, ds, pos, scale_log2, scale, NT, t0, M=M, BSP=BSP, NKC=NKC, NS=NS,
-                                       WRITE_DQ=key_path, WRITE_DS=ds is not None, **c_kv, **cfg)
+        if (not key_path and sel_block == 64 and BSP == 64 and c["G"] >= 8 and min(D, DV) >= 64 and
+                nsa_kernels._ws_applies(qf, kf, vf, dof)):
+            _ws_sel_dkv(qf, kf, vf, dof, lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part, ds, pos,
+                        scale_log2, scale, NT, t0, NS, BSP)
+        else:
+            _sel_bwd_dkv_kernel[(NC, NKC)](qf, kf, vf, dof, lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part,
+                                           dq_part, ds, pos, scale_log2, scale, NT, t0, M=M, BSP=BSP, NKC=NKC, NS=NS,
+                                           WRITE_DQ=key_path, WRITE_DS=ds is not None, **c_kv, **cfg)
         if key_path:
             _sel_key_dq_kernel[(triton.cdiv(t1 - t0, M_sum // c["G"]), H)](dq_part, idx, dq, t0, t1, H=H, G=c["G"],
                                                                           M=M_sum, D=D, BD=c["BD"], NS=NS, NKC=NKC,
@@ -1012,11 +1309,9 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
         M, union, _ = _query_launch("dq", c["G"], T, max(D, DV))    # the dq's tiles, its union tiles unsplit
         order, lst, cnt = _union_index(tiles, M // c["G"], idx, pos, sel_block) if union else (idx, idx, idx)
         kb, _, boxes = tma_boxes(kf, kf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BD"]])
-        _sel_ds_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](kb, ds, dq, idx, pos, order, lst, cnt, scale, NT, H=H,
-                                                            G=c["G"], M=M, D=D, BD=c["BD"], BS=sel_block,
-                                                            BK=c["BK"], BSP=BSP, NS=NS,
-                                                            BNS=triton.next_power_of_2(NS), UNION=union, BOXES=boxes,
-                                                            **CONFIG["dq_ds"])
+        _sel_ds_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](
+            kb, ds, dq, idx, pos, order, lst, cnt, scale, NT, H=H, G=c["G"], M=M, D=D, BD=c["BD"], BS=sel_block,
+            BK=c["BK"], BSP=BSP, NS=NS, BNS=triton.next_power_of_2(NS), UNION=union, BOXES=boxes, **CONFIG["dq_ds"])
     if dk_sum is not dk:
         dk.copy_(dk_sum)
         dv.copy_(dv_sum)

@@ -772,3 +772,37 @@ def test_cuda_graph_capture_gpu(path):
     torch.cuda.synchronize()
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
+
+
+HOPPER_CASES = [("query", 4, 128, True), ("query", 8, 128, True), ("query", 8, 64, False), ("auto", 16, 128, True),
+                ("query", 16, 128, False), ("query", 32, 64, True), ("auto-split", 16, 64, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path,G,D,ds", HOPPER_CASES, ids=[f"{p}-G{G}-D{D}-{'ds' if ds else 'recompute'}"
+                                                           for p, G, D, ds in HOPPER_CASES])
+def test_hopper_gpu(path, G, D, ds, monkeypatch):
+    """The warp-specialised kernels: the dk/dv on the query path (G >= 8; G = 4 keeps Triton's) and, under "auto" at
+    G = 16, the forward on union tiles (not where they split: "auto-split", which mixes the two) against the
+    reference, one row and var-length, gated, with the score gradients written for the dq or not; and against the
+    Triton kernels' outputs on the same input."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialised kernels are Hopper's")
+    if path == "auto-split":
+        monkeypatch.setattr(sel_kernel, "UNION_MAX_T", dict(fwd=16, dq=16))
+        monkeypatch.setattr(sel_kernel, "UNION_SPLIT", dict(fwd=0.5, dq=0.5))
+    monkeypatch.setitem(sel_kernel.CONFIG, "path", path.split("-")[0])
+    if not ds:
+        monkeypatch.setattr(sel_kernel, "DS_MAX_BYTES", 0)
+    cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
+    for c in (None, cu):
+        monkeypatch.setattr(nsa_kernels, "HOPPER_WS", True)
+        out, ref = run_both(1, 2000, 2 * G, 2, D, D, 16, 64, torch.bfloat16, device="cuda", seed=G, cu_seqlens=c,
+                            gated=True)
+        for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
+            assert rel_rmse(a, b) <= 1e-2, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
+        monkeypatch.setattr(nsa_kernels, "HOPPER_WS", False)
+        triton_out, _ = run_both(1, 2000, 2 * G, 2, D, D, 16, 64, torch.bfloat16, device="cuda", seed=G,
+                                 cu_seqlens=c, gated=True)
+        for name, a, b in zip(("o", "dq", "dk", "dv"), out[:4], triton_out[:4]):
+            assert rel_rmse(a, b) <= 2e-3, f"{name} against Triton's: rel RMSE {rel_rmse(a, b):.2e}"
