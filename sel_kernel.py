@@ -443,7 +443,8 @@ def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seq, seg_c0, seg_c1, N
 # program = two chunks (one per consumer warpgroup, each with its own block of 64 keys, loaded once); a loader warp
 # per consumer streams its chunk's pairs' Q and dO as [1, G, D] TMA boxes (a pair's G query rows are contiguous),
 # BT = 64 / G pairs a step, into the consumer's ring. Past a chunk's end it loads the chunk's last pair again (finite
-# rows, masked out), so no stale shared memory reaches the dots. G >= 8: a box must span the 8 rows of the shared
+# rows, masked out), so no stale shared memory reaches the dots. The score gradients (WRITE_DS) leave by TMA too, a
+# pair's [1, G, l'] box of rows each, while the next step runs. G >= 8: a box must span the 8 rows of the shared
 # memory swizzle, which also needs G * D * 2 bytes >= 1 KiB (triton 3.6 and 3.7 do not compile G = 4).
 
 
@@ -476,9 +477,10 @@ def _ws_sel_dkv_loader(q_desc, do_desc, k_desc, v_desc, perm, c_begin, c_end, c_
 
 @gluon.jit
 def _ws_sel_rows(perm, pos, lse, delta, e, e1, i_h, T0, H: gl.constexpr, G: gl.constexpr, NS: gl.constexpr,
-                 layout: gl.constexpr):
-    """The 64 query rows (pair, head) of one step from entry e of a chunk ending at e1, in `layout`: the row mask,
-    their positions, lse, delta and score-gradient rows (as _ds_rows)."""
+                 BT: gl.constexpr, layout: gl.constexpr):
+    """The 64 query rows (pair, head) of one step from entry e of a chunk ending at e1, in `layout`: their
+    positions, lse and delta; and the BT pairs' boxes of score gradients ((token, kv head, slot) as _ds_rows;
+    -1 past the chunk's end), all in each thread."""
     r = gl.arange(0, 64, layout=layout)
     e_r = e + r // G
     m_r = e_r < e1
@@ -486,13 +488,14 @@ def _ws_sel_rows(perm, pos, lse, delta, e, e1, i_h, T0, H: gl.constexpr, G: gl.c
     t_r = T0 + pair // (H * NS)
     rows = t_r.to(gl.int64) * (H * G) + i_h * G + r % G
     rel = gl.load(pos + t_r, mask=m_r, other=-1)
-    ds_r = ((t_r.to(gl.int64) * H + i_h) * NS + pair % NS) * G + r % G
-    return (m_r, rel, gl.load(lse + rows, mask=m_r, other=0.), gl.load(delta + rows, mask=m_r, other=0.), ds_r)
+    o_p = gl.arange(0, BT, layout=gl.BlockedLayout([BT], [32], [4], [0]))
+    ds_p = gl.load(perm + e + o_p, mask=e + o_p < e1, other=-1 - T0 * H * NS) + T0 * H * NS  # (the pair's own kv head)
+    return rel, gl.load(lse + rows, mask=m_r, other=0.), gl.load(delta + rows, mask=m_r, other=0.), ds_p
 
 
 @gluon.jit
-def _ws_sel_dkv_consumer(perm, c_begin, c_end, c_key, pos, lse, delta, dk_part, dv_part, ds, k_smem, v_smem, q_bufs,
-                         do_bufs, kv_ready, qd_ready, qd_free, i_p, half, scale_log2, scale, NC, NT, T0,
+def _ws_sel_dkv_consumer(perm, c_begin, c_end, c_key, pos, lse, delta, dk_part, dv_part, ds_desc, ds_bufs, k_smem,
+                         v_smem, q_bufs, do_bufs, kv_ready, qd_ready, qd_free, i_p, half, scale_log2, scale, NC, NT, T0,
                          H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, NS: gl.constexpr,
                          BSP: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, WRITE_DS: gl.constexpr):
     M: gl.constexpr = BT * G                                                              # query rows a step: 64
@@ -515,7 +518,7 @@ def _ws_sel_dkv_consumer(perm, c_begin, c_end, c_key, pos, lse, delta, dk_part, 
     m_k &= gl.load(pos + u, mask=m_k, other=-1) == rel_k  # keys of the next sequence never count
     b_dk = gl.zeros([64, D], gl.float32, k_l)
     b_dv = gl.zeros([64, DV], gl.float32, v_l)
-    n_m, n_rel, n_lse, n_delta, n_ds = _ws_sel_rows(perm, pos, lse, delta, e0, e1, i_h, T0, H, G, NS, vec_l)
+    n_rel, n_lse, n_delta, n_ds = _ws_sel_rows(perm, pos, lse, delta, e0, e1, i_h, T0, H, G, NS, BT, vec_l)
     mbarrier.wait(kv_ready.index(half), 0)
     for j in range(gl.cdiv(e1 - e0, BT).to(gl.int32)):
         s, ph = j % STAGES, (j // STAGES) & 1
@@ -523,9 +526,9 @@ def _ws_sel_dkv_consumer(perm, c_begin, c_end, c_key, pos, lse, delta, dk_part, 
         rel_r = gl.convert_layout(n_rel, gl.SliceLayout(0, s_l))                          # -1: no row
         b_lse = gl.convert_layout(n_lse, gl.SliceLayout(0, s_l))                          # base 2, gated
         b_delta = gl.convert_layout(n_delta, gl.SliceLayout(0, s_l))
-        m_r, ds_r = n_m, n_ds                                                             # compact, for the ds store
-        n_m, n_rel, n_lse, n_delta, n_ds = _ws_sel_rows(perm, pos, lse, delta, e0 + (j + 1) * BT, e1, i_h, T0, H, G,
-                                                        NS, vec_l)                       # the next step's rows
+        ds_p = n_ds
+        n_rel, n_lse, n_delta, n_ds = _ws_sel_rows(perm, pos, lse, delta, e0 + (j + 1) * BT, e1, i_h, T0, H, G, NS,
+                                                   BT, vec_l)                            # the next step's rows
         mbarrier.wait(qd_ready.index(b), ph)
         q_s = q_bufs.index(b).reshape([M, D])
         do_s = do_bufs.index(b).reshape([M, DV])
@@ -541,15 +544,19 @@ def _ws_sel_dkv_consumer(perm, c_begin, c_end, c_key, pos, lse, delta, dk_part, 
         b_dst = b_pt * (b_dpt - b_delta[None, :])
         b_dk = warpgroup_mma(gl.convert_layout(b_dst.to(q_s.dtype), gl.DotOperandLayout(0, k_l, 2)), q_s, b_dk,
                              is_async=True)
-        if WRITE_DS:                                      # row ds_r, column key (8 keys a thread): 0 where p is
-            ds_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
-            b_ds = gl.convert_layout(b_dst.to(ds.dtype.element_ty), ds_l)
-            d_r = gl.convert_layout(ds_r, gl.SliceLayout(0, ds_l))
-            d_m = gl.convert_layout(m_r, gl.SliceLayout(0, ds_l))
-            d_k = gl.arange(0, 64, layout=gl.SliceLayout(1, ds_l))
-            gl.store(ds + d_r[None, :] * BSP + d_k[:, None], b_ds, mask=d_m[None, :])
+        if WRITE_DS:                                      # by TMA, one [1, G, l'] box a pair, during the next step
+            ds_smem = ds_bufs.index(half)
+            tma.store_wait(0)                             # (the last step's boxes have left the buffer)
+            ds_smem.reshape([M, BSP]).store(gl.permute(b_dst.to(ds_desc.dtype), (1, 0)))
+            fence_async_shared()
+            for p in gl.static_range(BT):
+                ds_row = gl.sum(gl.where(gl.arange(0, BT, layout=ds_p.type.layout) == p, ds_p, 0), axis=0)
+                if ds_row >= 0:
+                    tma.async_copy_shared_to_global(ds_desc, [ds_row.to(gl.int32), 0, 0], ds_smem.slice(p, 1))
         b_dv, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk))
         mbarrier.arrive(qd_free.index(b), count=1)
+    if WRITE_DS:
+        tma.store_wait(0)
     part = i_c.to(gl.int64) * BSP                                                         # all 64 rows, as Triton's
     ck = part + gl.arange(0, 64, layout=gl.SliceLayout(1, k_l))
     o_d = gl.arange(0, D, layout=gl.SliceLayout(0, k_l))
@@ -561,25 +568,29 @@ def _ws_sel_dkv_consumer(perm, c_begin, c_end, c_key, pos, lse, delta, dk_part, 
 
 @gluon.jit
 def _ws_sel_dkv_kernel(q_desc, do_desc, k_desc, v_desc, lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part,
-                       ds, pos, scale_log2, scale, NC, NT, T0, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
-                       DV: gl.constexpr, NS: gl.constexpr, BSP: gl.constexpr, BT: gl.constexpr,
+                       ds_desc, pos, scale_log2, scale, NC, NT, T0, H: gl.constexpr, G: gl.constexpr,
+                       D: gl.constexpr, DV: gl.constexpr, NS: gl.constexpr, BSP: gl.constexpr, BT: gl.constexpr,
                        STAGES: gl.constexpr, WRITE_DS: gl.constexpr):
     i_p = gl.program_id(0)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * STAGES, BT, G, D], q_desc.layout)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2 * STAGES, BT, G, DV], do_desc.layout)
+    if WRITE_DS:
+        ds_bufs = gl.allocate_shared_memory(ds_desc.dtype, [2, BT, G, BSP], ds_desc.layout)  # one per consumer
+    else:
+        ds_bufs = q_bufs                                                                  # (unused)
     kv_ready = _ws_barriers(2, 1)
     qd_ready = _ws_barriers(2 * STAGES, 1)
     qd_free = _ws_barriers(2 * STAGES, 1)
     fence_async_shared()
     gl.warp_specialize([
-        (_ws_sel_dkv_consumer, (perm, c_begin, c_end, c_key, pos, lse, delta, dk_part, dv_part, ds, k_smem, v_smem,
-                                q_bufs, do_bufs, kv_ready, qd_ready, qd_free, i_p, 0, scale_log2, scale, NC, NT, T0, H,
-                                G, D, DV, NS, BSP, BT, STAGES, WRITE_DS)),
-        (_ws_sel_dkv_consumer, (perm, c_begin, c_end, c_key, pos, lse, delta, dk_part, dv_part, ds, k_smem, v_smem,
-                                q_bufs, do_bufs, kv_ready, qd_ready, qd_free, i_p, 1, scale_log2, scale, NC, NT, T0, H,
-                                G, D, DV, NS, BSP, BT, STAGES, WRITE_DS)),
+        (_ws_sel_dkv_consumer, (perm, c_begin, c_end, c_key, pos, lse, delta, dk_part, dv_part, ds_desc, ds_bufs,
+                                k_smem, v_smem, q_bufs, do_bufs, kv_ready, qd_ready, qd_free, i_p, 0, scale_log2,
+                                scale, NC, NT, T0, H, G, D, DV, NS, BSP, BT, STAGES, WRITE_DS)),
+        (_ws_sel_dkv_consumer, (perm, c_begin, c_end, c_key, pos, lse, delta, dk_part, dv_part, ds_desc, ds_bufs,
+                                k_smem, v_smem, q_bufs, do_bufs, kv_ready, qd_ready, qd_free, i_p, 1, scale_log2,
+                                scale, NC, NT, T0, H, G, D, DV, NS, BSP, BT, STAGES, WRITE_DS)),
         (_ws_sel_dkv_loader, (q_desc, do_desc, k_desc, v_desc, perm, c_begin, c_end, c_key, k_smem, v_smem, q_bufs,
                               do_bufs, kv_ready, qd_ready, qd_free, i_p, 0, NC, NT, T0, H, G, D, DV, NS, BT, STAGES)),
         (_ws_sel_dkv_loader, (q_desc, do_desc, k_desc, v_desc, perm, c_begin, c_end, c_key, k_smem, v_smem, q_bufs,
@@ -595,9 +606,9 @@ def _ws_sel_dkv(qf, kf, vf, dof, lse, delta, perm, c_begin, c_end, c_key, dk_par
     NC = c_begin.numel()
     _ws_sel_dkv_kernel[(triton.cdiv(NC, 2),)](
         _ws_desc(qf, [1, G, D]), _ws_desc(dof, [1, G, DV]), _ws_desc(kf.view(-1, H * D), [64, D]),
-        _ws_desc(vf.view(-1, H * DV), [64, DV]), lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part, ds, pos,
-        scale_log2, scale, NC, NT, t0, H=H, G=G, D=D, DV=DV, NS=NS, BSP=BSP, BT=BT, STAGES=2, WRITE_DS=ds is not None,
-        num_warps=4)
+        _ws_desc(vf.view(-1, H * DV), [64, DV]), lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part,
+        None if ds is None else _ws_desc(ds.view(-1, G, BSP), [1, G, BSP]), pos, scale_log2, scale, NC, NT, t0, H=H,
+        G=G, D=D, DV=DV, NS=NS, BSP=BSP, BT=BT, STAGES=2, WRITE_DS=ds is not None, num_warps=4)
 
 
 # forward on union tiles on Hopper (Gluon): _sel_fwd_kernel's union tiles of 64 rows, where they run unsplit (rows
