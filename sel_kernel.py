@@ -489,7 +489,8 @@ def _ws_sel_rows(perm, pos, lse, delta, e, e1, i_h, T0, H: gl.constexpr, G: gl.c
     rows = t_r.to(gl.int64) * (H * G) + i_h * G + r % G
     rel = gl.load(pos + t_r, mask=m_r, other=-1)
     o_p = gl.arange(0, BT, layout=gl.BlockedLayout([BT], [32], [4], [0]))
-    ds_p = gl.load(perm + e + o_p, mask=e + o_p < e1, other=-1 - T0 * H * NS) + T0 * H * NS  # (the pair's own kv head)
+    pairs = gl.load(perm + e + o_p, mask=e + o_p < e1, other=-1 - T0 * H * NS)      # (token - T0, kv head, slot)
+    ds_p = T0 * H * NS + pairs
     return rel, gl.load(lse + rows, mask=m_r, other=0.), gl.load(delta + rows, mask=m_r, other=0.), ds_p
 
 
