@@ -794,15 +794,23 @@ def test_hopper_gpu(path, G, D, ds, monkeypatch):
     monkeypatch.setitem(sel_kernel.CONFIG, "path", path.split("-")[0])
     if not ds:
         monkeypatch.setattr(sel_kernel, "DS_MAX_BYTES", 0)
+    ran = []  # the launchers of the Gluon kernels that ran
+    for launcher in ("_ws_sel_dkv", "_ws_union_fwd"):
+        monkeypatch.setattr(sel_kernel, launcher, lambda *a, f=getattr(sel_kernel, launcher), name=launcher:
+                            ran.append(name) or f(*a))
     cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
     for c in (None, cu):
         monkeypatch.setattr(nsa_kernels, "HOPPER_WS", True)
+        ran.clear()
         out, ref = run_both(1, 2000, 2 * G, 2, D, D, 16, 64, torch.bfloat16, device="cuda", seed=G, cu_seqlens=c,
                             gated=True)
+        assert ("_ws_sel_dkv" in ran, "_ws_union_fwd" in ran) == (G >= 8, path == "auto"), ran
         for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
             assert rel_rmse(a, b) <= 1e-2, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
         monkeypatch.setattr(nsa_kernels, "HOPPER_WS", False)
+        ran.clear()
         triton_out, _ = run_both(1, 2000, 2 * G, 2, D, D, 16, 64, torch.bfloat16, device="cuda", seed=G,
                                  cu_seqlens=c, gated=True)
+        assert not ran
         for name, a, b in zip(("o", "dq", "dk", "dv"), out[:4], triton_out[:4]):
             assert rel_rmse(a, b) <= 2e-3, f"{name} against Triton's: rel RMSE {rel_rmse(a, b):.2e}"
