@@ -382,6 +382,12 @@ def _read_by_all(lo, hi, valid):
 
 
 @triton.jit
+def _in_ranges(x, lo, hi):
+    """[rows, cols] mask: column value x[j] lies in row i's range [lo[i], hi[i])."""
+    return (x[None, :] >= lo[:, None]) & (x[None, :] < hi[:, None])
+
+
+@triton.jit
 def _split(lo, hi, valid, BN: tl.constexpr):
     """Cut [min lo, max hi) into [start, a) masked, [a, b) unmasked (every valid row reads every key of each BN-step,
     aligned on start), [b, end) masked. lo, hi: per-row ranges, valid: the rows that count."""
@@ -402,7 +408,7 @@ def _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, k_from, k_to, k_end, scale_l
         b_k, b_v = key_tile(k, v, k0, k_end, i_h, H, D, DV, BD, BDV, BN, BOXES)          # [BN, BD], [BN, BDV]
         b_s = tl.dot(b_q, tl.trans(b_k))                                                  # [M, BN]
         if MASK:
-            b_s = tl.where((c[None, :] >= b_lo[:, None]) & (c[None, :] < b_hi[:, None]), b_s, float("-inf"))
+            b_s = tl.where(_in_ranges(c, b_lo, b_hi), b_s, float("-inf"))
         m_i, l_i, acc = softmax_step(b_s, scale_log2, b_v, m_i, l_i, acc)
     return m_i, l_i, acc
 
@@ -449,7 +455,7 @@ def _dq_loop(b_q, b_do, b_lse, b_delta, b_dq, k, v, b_lo, b_hi, k_from, k_to, k_
         b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                                     # [M, BN]
         b_p = tl.exp2(b_s - b_lse[:, None])
         if MASK:
-            b_p = tl.where((c[None, :] >= b_lo[:, None]) & (c[None, :] < b_hi[:, None]), b_p, 0.)
+            b_p = tl.where(_in_ranges(c, b_lo, b_hi), b_p, 0.)
         b_dp = tl.dot(b_do, tl.trans(b_v))                                                # [M, BN]
         b_ds = b_p * (b_dp - b_delta[:, None])
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)                                           # [M, BD]
@@ -576,9 +582,10 @@ def _range_sum_chunks_kernel(dk_part, dv_part, dk, dv, NQC, NK_D, NK_DV, BE: tl.
 # over the union of their ranges; dq keeps Q and dO in shared memory and first writes delta and the base-2 lse for
 # dk/dv, as _range_bwd_dq_kernel does. dk/dv: 128 keys (K/V loaded once), Q/dO tiles of 64 rows (M // G tokens, a
 # [tokens, G, D] box) over the tokens any of them reads; the lse and delta of the next step are loaded during this
-# one. The key ranges, key tiles, softmax step and gate terms are the Triton helpers above (_range, _key_tile,
-# softmax_rescale, gate_lse, gate_delta), which Gluon kernels call as they are. Gluon does not run in the CPU
-# interpreter: the GPU tests check these against the reference.
+# one. The key ranges and their masks, key tiles, softmax step and end, and gate terms are the Triton helpers above
+# (_range, _in_ranges, _key_tile, softmax_rescale, softmax_finish, gate_lse, gate_delta, gate_out), which Gluon
+# kernels call as they are. Gluon does not run in the CPU interpreter: the GPU tests check these against the
+# reference.
 
 @gluon.constexpr_function
 def _ws_mma(N):
@@ -646,6 +653,18 @@ def _ws_fwd_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_
 
 
 @gluon.jit
+def _ws_fwd_finish(o, lse, gate, rows, m, m_i, l_i, acc, lse_scale, DV: gl.constexpr, GATED: gl.constexpr,
+                   o_l: gl.constexpr):
+    """A consumer's forward epilogue in acc's layout o_l: o = acc / l (times the gate) and lse_scale x the base-2
+    lse, through the Triton helpers softmax_finish and gate_out."""
+    rows, m = gl.convert_layout(rows, gl.SliceLayout(1, o_l)), gl.convert_layout(m, gl.SliceLayout(1, o_l))
+    m_i, l_i = gl.convert_layout(m_i, gl.SliceLayout(1, o_l)), gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
+    b_o, b_lse = softmax_finish(m_i, l_i, acc)
+    gl.store(lse + rows, b_lse * lse_scale, mask=m)
+    _ws_store_rows(o, rows, m, gate_out(b_o, gate, rows, m, GATED), DV, o_l)
+
+
+@gluon.jit
 def _ws_fwd_consumer(q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_t, i_h, half,
                      k_start, n_steps, scale_log2, NT, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB,
                      H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr,
@@ -671,7 +690,7 @@ def _ws_fwd_consumer(q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v
         b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))                          # [64, BN]
         if (k0 < f_lo) | (k0 + BN > f_hi):
             c = k0 + o_n
-            b_s = gl.where((c[None, :] >= b_lo[:, None]) & (c[None, :] < b_hi[:, None]), b_s, float("-inf"))
+            b_s = gl.where(_in_ranges(c, b_lo, b_hi), b_s, float("-inf"))
         m_i, alpha, b_p = softmax_rescale(b_s, m_i, scale_log2)                          # [64, BN]
         l_i = l_i * alpha + gl.sum(b_p, 1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
@@ -680,13 +699,7 @@ def _ws_fwd_consumer(q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v
         acc = warpgroup_mma(b_p, v_bufs.index(s), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))                          # [64, DV]
         mbarrier.arrive(kv_free.index(s), count=1)
-    l_safe = gl.where(l_i == 0., 1., l_i)                                                 # softmax_finish
-    b_lse = gl.where(l_i == 0., float("-inf"), m_i + gl.log2(l_safe))
-    gl.store(lse + rows, b_lse * 0.6931471805599453, mask=m_r)
-    b_o = acc * gl.convert_layout(1. / l_safe, gl.SliceLayout(1, o_l))[:, None]
-    if GATED:
-        b_o = b_o * gl.convert_layout(gl.load(gate + rows, mask=m_r, other=1.), gl.SliceLayout(1, o_l))[:, None]
-    _ws_store_rows(o, rows, m_r, b_o, DV, o_l)
+    _ws_fwd_finish(o, lse, gate, rows, m_r, m_i, l_i, acc, 0.6931471805599453, DV, GATED, o_l)   # natural-log lse
 
 
 @gluon.jit
@@ -729,7 +742,7 @@ def _ws_dq_consumer(q, do, o, lse, lse2, delta, dq, gate, lo, hi, q_smem, do_sme
         b_p = gl.exp2(b_s * scale_log2 - b_lse[:, None])
         if (k0 < f_lo) | (k0 + BN > f_hi):
             c = k0 + o_n
-            b_p = gl.where((c[None, :] >= b_lo[:, None]) & (c[None, :] < b_hi[:, None]), b_p, 0.)
+            b_p = gl.where(_in_ranges(c, b_lo, b_hi), b_p, 0.)
         b_dp = warpgroup_mma_wait(num_outstanding=0, deps=(b_dp,))                        # [64, BN]
         b_ds = gl.convert_layout((b_p * (b_dp - b_delta[:, None])).to(q.dtype.element_ty),
                                  gl.DotOperandLayout(0, q_l, 2))
@@ -841,13 +854,13 @@ def _ws_dkv_consumer(lse, delta, dk, dv, qlo, qhi, k_smem, v_smem, q_bufs, do_bu
         b_pt = gl.exp2(b_st * scale_log2 - b_lse[None, :])
         masked = (t0 < f_lo) | (t0 + BT > f_hi)
         if masked:
-            b_pt = gl.where((t_r[None, :] >= b_qlo[:, None]) & (t_r[None, :] < b_qhi[:, None]), b_pt, 0.)
+            b_pt = gl.where(_in_ranges(t_r, b_qlo, b_qhi), b_pt, 0.)
         b_dv = warpgroup_mma(gl.convert_layout(b_pt.to(q_s.dtype), gl.DotOperandLayout(0, v_l, 2)), do_s, b_dv,
                              is_async=True)
         b_dpt = warpgroup_mma_wait(num_outstanding=1, deps=(b_dpt,))                      # dp^T [64 keys, M]
         b_dst = b_pt * (b_dpt - b_delta[None, :])
         if masked:                                        # where, not 0 * dp: an unread key may hold NaN
-            b_dst = gl.where((t_r[None, :] >= b_qlo[:, None]) & (t_r[None, :] < b_qhi[:, None]), b_dst, 0.)
+            b_dst = gl.where(_in_ranges(t_r, b_qlo, b_qhi), b_dst, 0.)
         b_dk = warpgroup_mma(gl.convert_layout(b_dst.to(q_s.dtype), gl.DotOperandLayout(0, k_l, 2)), q_s, b_dk,
                              is_async=True)
         b_dv, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk))

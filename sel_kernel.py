@@ -14,8 +14,8 @@ import nsa_kernels
 from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse, gate_out, group_rows, head_sizes,
                          key_rows, key_tile, launch_entry, load_rows, pack, pack_gate, sequences, softmax_finish,
                          softmax_rescale, softmax_step, sort_rows, store_rows, tile_m, tile_rows, tma_boxes)
-from nsa_kernels import (_ws_barriers, _ws_desc, _ws_load_rows, _ws_mma, _ws_store_rows, fence_async_shared, gl, gluon,
-                         mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)  # the warp-specialised kernels' pieces
+from nsa_kernels import (_ws_barriers, _ws_desc, _ws_fwd_finish, _ws_load_rows, _ws_mma, fence_async_shared,
+                         gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)  # the warp-specialised pieces
 
 # Layout of the work (NT = all packed tokens, H kv heads, G = HQ / H query heads per kv head, l' = sel_block, n slots):
 # - forward and dq: query-centric. One program = BT = M // G consecutive tokens x the G heads of one kv group (an
@@ -661,7 +661,6 @@ def _ws_union_fwd_consumer(q, o, lse, gate, idx, pos, order, lst, cnt, q_smem, k
     q_rows = q_smem.index(half)
     q_rows.store(_ws_load_rows(q, rows, m_t, D, gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
     fence_async_shared()
-    t_s = gl.convert_layout(t, gl.SliceLayout(1, s_l))
     o_k = gl.arange(0, 64, layout=gl.SliceLayout(0, s_l))
     m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
     l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
@@ -684,14 +683,7 @@ def _ws_union_fwd_consumer(q, o, lse, gate, idx, pos, order, lst, cnt, q_smem, k
         acc = warpgroup_mma(b_p, v_bufs.index(b), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))                          # [64, DV]
         mbarrier.arrive(kv_free.index(b), count=1)
-    l_safe = gl.where(l_i == 0., 1., l_i)                                                 # softmax_finish
-    rows_s = gl.convert_layout(rows, gl.SliceLayout(1, s_l))
-    m_s = gl.convert_layout(m_t, gl.SliceLayout(1, s_l))
-    gl.store(lse + rows_s, gl.where(l_i == 0., float("-inf"), m_i + gl.log2(l_safe)), mask=m_s)   # base 2
-    b_o = acc * gl.convert_layout(1. / l_safe, gl.SliceLayout(1, o_l))[:, None]
-    if GATED:
-        b_o = b_o * gl.convert_layout(gl.load(gate + rows_s, mask=m_s, other=1.), gl.SliceLayout(1, o_l))[:, None]
-    _ws_store_rows(o, rows, m_t, b_o, DV, o_l)
+    _ws_fwd_finish(o, lse, gate, rows, m_t, m_i, l_i, acc, 1., DV, GATED, o_l)            # base-2 lse
 
 
 @gluon.jit
