@@ -25,6 +25,7 @@ public functions at the bottom; test_nsa_kernels.py and test_decode.py check the
 # The file reads: shared pieces -> range attention kernels -> their Hopper versions (Gluon) -> selection kernel ->
 # decode kernels -> host launchers -> torch.library ops -> public functions. Ops: nsa::range_attn_fwd / _bwd,
 # nsa::select, nsa::decode.
+import functools
 import math
 from typing import Optional
 
@@ -64,11 +65,10 @@ SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entrie
 DKV_CHUNK = 256  # compressed dk/dv: fewest tokens per query chunk, and the grid aims at DKV_PROGRAMS programs
 DKV_PROGRAMS = 2048
 DKV_FEW_PROGRAMS = 256  # range dk/dv grids below this (about two 4-warp programs per H100 SM) take "dkv_few"
-# Hopper (_ws_applies): the compressed branch's dk/dv, and its forward and dq on rows of at least WS_MIN_T tokens,
-# take the warp-specialised kernels ("range attention on Hopper" below), where they were faster on one H100 and one
-# H200 (T = 8k-64k, G = 4 and 16; not the window's), as do two of sel_kernel.py's kernels; HOPPER_WS = False keeps
-# Triton's everywhere (bench.py --hopper_ws)
-WS_MIN_T = 32768
+# Hopper (_ws_applies): the forward and dq of both range branches (not with var-length input) and the compressed
+# branch's dk/dv take the warp-specialised kernels ("range attention on Hopper" below), where they were faster or
+# tied on one H100 and one H200 (T = 8k-64k, G = 4 and 16; the window's dk/dv was slower at G = 16, so it stays
+# Triton's), as do two of sel_kernel.py's kernels; HOPPER_WS = False keeps Triton's everywhere (bench.py --hopper_ws)
 HOPPER_WS = True
 # launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
 # keys per tile, window_keys = ring slots per window program, score_blocks = selection blocks per score program,
@@ -255,10 +255,15 @@ def _ws_applies(q, k, v, do=None):
 
 
 def _ws_rows_apply(geo):
-    """Whether the warp-specialised forward and dq take these rows (_ranges' geo): the compressed branch on rows of
-    at least WS_MIN_T tokens, not var-length input (its padding keys may hold NaN, which a key tile read whole would
-    carry into o and dq through 0 * NaN)."""
-    return geo["KIND"] == 0 and not geo["VARLEN"] and geo["SEQ_T"] >= WS_MIN_T
+    """Whether the warp-specialised forward and dq take these rows (_ranges' geo): not with var-length input (its
+    compressed padding keys may hold NaN, which a key tile read whole would carry into o and dq through 0 * NaN)."""
+    return not geo["VARLEN"]
+
+
+@functools.cache
+def _sm_count(device):
+    """Multiprocessors of a CUDA device: the persistent kernels' grid."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _ws_desc(x, box):
@@ -574,18 +579,20 @@ def _range_sum_chunks_kernel(dk_part, dv_part, dk, dv, NQC, NK_D, NK_DV, BE: tl.
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# range attention on Hopper, compressed branch: warp-specialised forward, dq and dk/dv (Gluon; _ws_applies and
-# _ws_rows_apply say where). The same tiles and masks as the kernels above, but each program is three partitions: a
-# loader warp streams tiles into shared memory by TMA (an mbarrier ring of STAGES buffers, each freed when both
-# consumers arrive), and two consumer warpgroups take 64 rows each, issuing asynchronous wgmma; while one waits on its
-# softmax the other's matmuls run. Forward and dq (one kernel, _ws_range_kernel): 128 query rows, K/V tiles of BN keys
-# over the union of their ranges; dq keeps Q and dO in shared memory and first writes delta and the base-2 lse for
-# dk/dv, as _range_bwd_dq_kernel does. dk/dv: 128 keys (K/V loaded once), Q/dO tiles of 64 rows (M // G tokens, a
-# [tokens, G, D] box) over the tokens any of them reads; the lse and delta of the next step are loaded during this
-# one. The key ranges and their masks, key tiles, softmax step and end, and gate terms are the Triton helpers above
-# (_range, _in_ranges, _key_tile, softmax_rescale, softmax_finish, gate_lse, gate_delta, gate_out), which Gluon
-# kernels call as they are. Gluon does not run in the CPU interpreter: the GPU tests check these against the
-# reference.
+# range attention on Hopper: warp-specialised forward, dq and dk/dv (Gluon; _ws_applies and _ws_rows_apply say
+# where). The same tiles and masks as the kernels above, but each program is three partitions: a loader warp streams
+# tiles into shared memory by TMA (an mbarrier ring of STAGES buffers, each freed when both consumers arrive), and two
+# consumer warpgroups take 64 rows each, issuing asynchronous wgmma; while one waits on its softmax the other's
+# matmuls run. Forward and dq (one kernel, _ws_range_kernel): persistent, one program per multiprocessor walking tiles
+# of 128 query rows (a [128 / G tokens, G, D] box of Q, and of dO for dq, in one of two buffers), K/V tiles of BN keys
+# over the union of their ranges; the loader fetches the next tile's Q and keys while the consumers finish this one,
+# so short rows (the window's 512 keys, the compressed keys of short sequences) do not pay a program's start and
+# end per tile. dq first writes delta and the base-2 lse for dk/dv, as _range_bwd_dq_kernel does. dk/dv: 128 keys
+# (K/V loaded once), Q/dO tiles of 64 rows (M // G tokens, a [tokens, G, D] box) over the tokens any of them reads;
+# the lse and delta of the next step are loaded during this one. The key ranges and their masks, key tiles, softmax
+# step and end, and gate terms are the Triton helpers above (_range, _in_ranges, _key_tile, softmax_rescale,
+# softmax_finish, gate_lse, gate_delta, gate_out), which Gluon kernels call as they are. Gluon does not run in the
+# CPU interpreter: the GPU tests check these against the reference.
 
 @gluon.constexpr_function
 def _ws_mma(N):
@@ -630,26 +637,50 @@ def _ws_barriers(N: gl.constexpr, count: gl.constexpr):
 
 
 @gluon.jit
-def _ws_key_span(i_t, NT, lo, hi, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, G: gl.constexpr,
-                 BN: gl.constexpr):
-    """The keys program i_t's 128 query rows read: the first, and the number of BN-key steps to the last."""
-    t_r = i_t * (128 // G) + gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0])) // G
+def _ws_tile(tile, n_tiles, NT, lo, hi, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB,
+             H: gl.constexpr, G: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
+    """A persistent program's tile number `tile`: its (i_t, i_h), the last tokens' tiles first (they read the most
+    compressed keys, so the short ones fill the end), and the keys its 128 query rows read: the first, and the
+    number of BN-key steps to the last (computed in `layout`, 128 values over the calling partition's warps)."""
+    u = n_tiles - 1 - tile
+    i_t, i_h = u // H, u % H
+    t_r = i_t * (128 // G) + gl.arange(0, 128, layout=layout) // G
     b_lo, b_hi = _range(t_r, t_r < NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
     k_start = gl.min(b_lo, 0)
-    return k_start, gl.maximum(gl.cdiv(gl.max(b_hi, 0) - k_start, BN), 0)
+    return i_t, i_h, k_start, gl.maximum(gl.cdiv(gl.max(b_hi, 0) - k_start, BN), 0)
 
 
 @gluon.jit
-def _ws_fwd_loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_h, k_start, n_steps,
-                   D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
-    for j in range(n_steps):
-        s, ph = j % STAGES, (j // STAGES) & 1
-        mbarrier.wait(kv_free.index(s), ph ^ 1)           # a fresh barrier passes phase 1: the ring starts empty
-        k0 = k_start + j * BN
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k0, i_h * D], k_ready.index(s), k_bufs.index(s))
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [k0, i_h * DV], v_ready.index(s), v_bufs.index(s))
+def _ws_range_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_free, k_ready,
+                     v_ready, kv_free, n_tiles, NT, lo, hi, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK,
+                     A, BB, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr,
+                     STAGES: gl.constexpr, BWD: gl.constexpr):
+    """Per tile: its Q (and dO) into one of two buffers, then its K/V steps into the STAGES-deep ring; so the next
+    tile's loads run while the consumers finish this one."""
+    step = 0
+    n_done = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        i_t, i_h, k_start, n_steps = _ws_tile(tile, n_tiles, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G,
+                                              BN, gl.BlockedLayout([4], [32], [1], [0]))
+        b = n_done % 2
+        mbarrier.wait(q_free.index(b), ((n_done // 2) & 1) ^ 1)      # a fresh barrier passes phase 1: both free
+        if BWD:
+            mbarrier.expect(q_ready.index(b), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [i_t * (128 // G), i_h * G, 0], q_ready.index(b),
+                                            do_bufs.index(b))
+        else:
+            mbarrier.expect(q_ready.index(b), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [i_t * (128 // G), i_h * G, 0], q_ready.index(b), q_bufs.index(b))
+        for j in range(n_steps):
+            s, ph = step % STAGES, (step // STAGES) & 1
+            mbarrier.wait(kv_free.index(s), ph ^ 1)
+            k0 = k_start + j * BN
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k0, i_h * D], k_ready.index(s), k_bufs.index(s))
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [k0, i_h * DV], v_ready.index(s), v_bufs.index(s))
+            step += 1
+        n_done += 1
 
 
 @gluon.jit
@@ -665,132 +696,149 @@ def _ws_fwd_finish(o, lse, gate, rows, m, m_i, l_i, acc, lse_scale, DV: gl.const
 
 
 @gluon.jit
-def _ws_fwd_consumer(q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_t, i_h, half,
-                     k_start, n_steps, scale_log2, NT, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB,
+def _ws_fwd_consumer(o, lse, gate, lo, hi, q_bufs, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, half,
+                     n_tiles, scale_log2, NT, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB,
                      H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr,
                      STAGES: gl.constexpr, GATED: gl.constexpr):
     s_l: gl.constexpr = _ws_mma(BN)
     o_l: gl.constexpr = _ws_mma(DV)
-    t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, s_l))
-    q_rows = q_smem.slice(half * 64, 64)                                                  # this warpgroup's 64 rows
-    q_rows.store(_ws_load_rows(q, rows, m_r, D, gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])))
-    fence_async_shared()
-    b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
-    f_lo, f_hi = _read_by_all(b_lo, b_hi, m_r)                                            # keys every row reads
-    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
-    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
-    acc = gl.zeros([64, DV], gl.float32, o_l)
     o_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
-    for j in range(n_steps):
-        s, ph = j % STAGES, (j // STAGES) & 1
-        k0 = k_start + j * BN
-        mbarrier.wait(k_ready.index(s), ph)
-        b_s = warpgroup_mma(q_rows, k_bufs.index(s).permute((1, 0)), gl.zeros([64, BN], gl.float32, s_l),
-                            use_acc=False, is_async=True)
-        b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))                          # [64, BN]
-        if (k0 < f_lo) | (k0 + BN > f_hi):
-            c = k0 + o_n
-            b_s = gl.where(_in_ranges(c, b_lo, b_hi), b_s, float("-inf"))
-        m_i, alpha, b_p = softmax_rescale(b_s, m_i, scale_log2)                          # [64, BN]
-        l_i = l_i * alpha + gl.sum(b_p, 1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        b_p = gl.convert_layout(b_p.to(q.dtype.element_ty), gl.DotOperandLayout(0, o_l, 2))
-        mbarrier.wait(v_ready.index(s), ph)
-        acc = warpgroup_mma(b_p, v_bufs.index(s), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))                          # [64, DV]
-        mbarrier.arrive(kv_free.index(s), count=1)
-    _ws_fwd_finish(o, lse, gate, rows, m_r, m_i, l_i, acc, 0.6931471805599453, DV, GATED, o_l)   # natural-log lse
+    step = 0
+    n_done = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        i_t, i_h, k_start, n_steps = _ws_tile(tile, n_tiles, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G,
+                                              BN, gl.BlockedLayout([1], [32], [4], [0]))
+        t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, s_l))
+        b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
+        f_lo, f_hi = _read_by_all(b_lo, b_hi, m_r)                                        # keys every row reads
+        m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+        l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
+        acc = gl.zeros([64, DV], gl.float32, o_l)
+        b = n_done % 2
+        mbarrier.wait(q_ready.index(b), (n_done // 2) & 1)
+        q_rows = q_bufs.index(b).reshape([128, D]).slice(half * 64, 64)                   # this warpgroup's 64 rows
+        for j in range(n_steps):
+            s, ph = step % STAGES, (step // STAGES) & 1
+            k0 = k_start + j * BN
+            mbarrier.wait(k_ready.index(s), ph)
+            b_s = warpgroup_mma(q_rows, k_bufs.index(s).permute((1, 0)), gl.zeros([64, BN], gl.float32, s_l),
+                                use_acc=False, is_async=True)
+            b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))                      # [64, BN]
+            if (k0 < f_lo) | (k0 + BN > f_hi):
+                c = k0 + o_n
+                b_s = gl.where(_in_ranges(c, b_lo, b_hi), b_s, float("-inf"))
+            m_i, alpha, b_p = softmax_rescale(b_s, m_i, scale_log2)                      # [64, BN]
+            l_i = l_i * alpha + gl.sum(b_p, 1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            b_p = gl.convert_layout(b_p.to(o.dtype.element_ty), gl.DotOperandLayout(0, o_l, 2))
+            mbarrier.wait(v_ready.index(s), ph)
+            acc = warpgroup_mma(b_p, v_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))                      # [64, DV]
+            mbarrier.arrive(kv_free.index(s), count=1)
+            step += 1
+        mbarrier.arrive(q_free.index(b), count=1)
+        _ws_fwd_finish(o, lse, gate, rows, m_r, m_i, l_i, acc, 0.6931471805599453, DV, GATED, o_l)  # natural-log lse
+        n_done += 1
 
 
 @gluon.jit
-def _ws_dq_consumer(q, do, o, lse, lse2, delta, dq, gate, lo, hi, q_smem, do_smem, k_bufs, v_bufs, k_ready, v_ready,
-                    kv_free, i_t, i_h, half, k_start, n_steps, scale_log2, scale, NT, KIND: gl.constexpr,
-                    VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
-                    DV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
+def _ws_dq_consumer(o, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_free, k_ready,
+                    v_ready, kv_free, half, n_tiles, scale_log2, scale, NT, KIND: gl.constexpr, VARLEN: gl.constexpr,
+                    SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+                    BN: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
     s_l: gl.constexpr = _ws_mma(BN)
     q_l: gl.constexpr = _ws_mma(D)
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, rows_l))
-    q_rows = q_smem.slice(half * 64, 64)
-    do_rows = do_smem.slice(half * 64, 64)
-    q_rows.store(_ws_load_rows(q, rows, m_r, D, rows_l))
-    b_do = _ws_load_rows(do, rows, m_r, DV, rows_l)                                       # [64, DV]
-    do_rows.store(b_do)
-    fence_async_shared()
-    b_delta = gl.sum(_ws_load_rows(o, rows, m_r, DV, rows_l).to(gl.float32) * b_do.to(gl.float32), 1)
-    b_delta = gate_delta(b_delta, gate, rows, m_r, GATED)                                 # as _range_bwd_dq_kernel
-    gl.store(delta + rows, b_delta, mask=m_r)
-    b_lse = gl.load(lse + rows, mask=m_r, other=0.) * 1.4426950408889634
-    b_lse = gate_lse(gl.where(b_lse == float("-inf"), 0., b_lse), gate, rows, m_r, GATED)
-    gl.store(lse2 + rows, b_lse, mask=m_r)
-    b_delta = gl.convert_layout(b_delta, gl.SliceLayout(1, s_l))
-    b_lse = gl.convert_layout(b_lse, gl.SliceLayout(1, s_l))
-    t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, s_l))
-    b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
-    f_lo, f_hi = _read_by_all(b_lo, b_hi, m_r)
-    b_dq = gl.zeros([64, D], gl.float32, q_l)
     o_n = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
     zero = gl.zeros([64, BN], gl.float32, s_l)
-    for j in range(n_steps):
-        s, ph = j % STAGES, (j // STAGES) & 1
-        k0 = k_start + j * BN
-        mbarrier.wait(k_ready.index(s), ph)
-        b_s = warpgroup_mma(q_rows, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(s), ph)
-        b_dp = warpgroup_mma(do_rows, v_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-        b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))                          # [64, BN]
-        b_p = gl.exp2(b_s * scale_log2 - b_lse[:, None])
-        if (k0 < f_lo) | (k0 + BN > f_hi):
-            c = k0 + o_n
-            b_p = gl.where(_in_ranges(c, b_lo, b_hi), b_p, 0.)
-        b_dp = warpgroup_mma_wait(num_outstanding=0, deps=(b_dp,))                        # [64, BN]
-        b_ds = gl.convert_layout((b_p * (b_dp - b_delta[:, None])).to(q.dtype.element_ty),
-                                 gl.DotOperandLayout(0, q_l, 2))
-        b_dq = warpgroup_mma(b_ds, k_bufs.index(s), b_dq, is_async=True)
-        b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq,))                        # [64, D]
-        mbarrier.arrive(kv_free.index(s), count=1)
-    _ws_store_rows(dq, rows, m_r, b_dq * scale, D, q_l)
+    step = 0
+    n_done = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        i_t, i_h, k_start, n_steps = _ws_tile(tile, n_tiles, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G,
+                                              BN, gl.BlockedLayout([1], [32], [4], [0]))
+        t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, rows_l))
+        b_o = _ws_load_rows(o, rows, m_r, DV, rows_l)
+        b_lse = gl.load(lse + rows, mask=m_r, other=0.) * 1.4426950408889634
+        b_lse = gate_lse(gl.where(b_lse == float("-inf"), 0., b_lse), gate, rows, m_r, GATED)
+        gl.store(lse2 + rows, b_lse, mask=m_r)                                            # for the dk/dv kernel
+        b = n_done % 2
+        mbarrier.wait(q_ready.index(b), (n_done // 2) & 1)
+        q_rows = q_bufs.index(b).reshape([128, D]).slice(half * 64, 64)
+        do_rows = do_bufs.index(b).reshape([128, DV]).slice(half * 64, 64)
+        b_delta = gl.sum(b_o.to(gl.float32) * do_rows.load(rows_l).to(gl.float32), 1)
+        b_delta = gate_delta(b_delta, gate, rows, m_r, GATED)                             # as _range_bwd_dq_kernel
+        gl.store(delta + rows, b_delta, mask=m_r)
+        b_delta = gl.convert_layout(b_delta, gl.SliceLayout(1, s_l))
+        b_lse = gl.convert_layout(b_lse, gl.SliceLayout(1, s_l))
+        t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, s_l))
+        b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
+        f_lo, f_hi = _read_by_all(b_lo, b_hi, m_r)
+        b_dq = gl.zeros([64, D], gl.float32, q_l)
+        for j in range(n_steps):
+            s, ph = step % STAGES, (step // STAGES) & 1
+            k0 = k_start + j * BN
+            mbarrier.wait(k_ready.index(s), ph)
+            b_s = warpgroup_mma(q_rows, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(s), ph)
+            b_dp = warpgroup_mma(do_rows, v_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+            b_s = warpgroup_mma_wait(num_outstanding=1, deps=(b_s,))                      # [64, BN]
+            b_p = gl.exp2(b_s * scale_log2 - b_lse[:, None])
+            if (k0 < f_lo) | (k0 + BN > f_hi):
+                c = k0 + o_n
+                b_p = gl.where(_in_ranges(c, b_lo, b_hi), b_p, 0.)
+            b_dp = warpgroup_mma_wait(num_outstanding=0, deps=(b_dp,))                    # [64, BN]
+            b_ds = gl.convert_layout((b_p * (b_dp - b_delta[:, None])).to(dq.dtype.element_ty),
+                                     gl.DotOperandLayout(0, q_l, 2))
+            b_dq = warpgroup_mma(b_ds, k_bufs.index(s), b_dq, is_async=True)
+            b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq,))                    # [64, D]
+            mbarrier.arrive(kv_free.index(s), count=1)
+            step += 1
+        mbarrier.arrive(q_free.index(b), count=1)
+        _ws_store_rows(dq, rows, m_r, b_dq * scale, D, q_l)
+        n_done += 1
 
 
 @gluon.jit
-def _ws_range_kernel(q, do, o, k_desc, v_desc, lse, lse2, delta, dq, gate, lo, hi, scale_log2, scale, NT,
-                     KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr,
-                     D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr,
-                     BWD: gl.constexpr):
-    """The forward (o, lse of q) or, with BWD, dq (and delta, lse2 for dk/dv) of 128 query rows."""
-    i_t, i_h = gl.program_id(0), gl.program_id(1)
-    k_start, n_steps = _ws_key_span(i_t, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, G, BN)
-    q_smem = gl.allocate_shared_memory(q.dtype.element_ty, [128, D],
-                                       gl.NVMMASharedLayout.get_default_for([128, D], q.dtype.element_ty))
+def _ws_range_kernel(q_desc, do_desc, o, k_desc, v_desc, lse, lse2, delta, dq, gate, lo, hi, scale_log2, scale, NT,
+                     n_tiles, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, H: gl.constexpr,
+                     G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                     GATED: gl.constexpr, BWD: gl.constexpr):
+    """Persistent: each program walks tiles of 128 query rows (_ws_tile) and writes their forward (o, lse) or, with
+    BWD, dq (and delta, lse2 for dk/dv)."""
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = _ws_barriers(2, 1)
+    q_free = _ws_barriers(2, 2)                           # both consumers
     k_ready = _ws_barriers(STAGES, 1)
     v_ready = _ws_barriers(STAGES, 1)
-    kv_free = _ws_barriers(STAGES, 2)                     # both consumers
-    fence_async_shared()
+    kv_free = _ws_barriers(STAGES, 2)
     if BWD:
-        do_smem = gl.allocate_shared_memory(q.dtype.element_ty, [128, DV],
-                                            gl.NVMMASharedLayout.get_default_for([128, DV], q.dtype.element_ty))
+        do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+        fence_async_shared()
         gl.warp_specialize([
-            (_ws_dq_consumer, (q, do, o, lse, lse2, delta, dq, gate, lo, hi, q_smem, do_smem, k_bufs, v_bufs, k_ready,
-                               v_ready, kv_free, i_t, i_h, 0, k_start, n_steps, scale_log2, scale, NT, KIND, VARLEN,
+            (_ws_dq_consumer, (o, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, k_bufs, v_bufs, q_ready,
+                               q_free, k_ready, v_ready, kv_free, 0, n_tiles, scale_log2, scale, NT, KIND, VARLEN,
                                SEQ_T, SEQ_TK, A, BB, H, G, D, DV, BN, STAGES, GATED)),
-            (_ws_dq_consumer, (q, do, o, lse, lse2, delta, dq, gate, lo, hi, q_smem, do_smem, k_bufs, v_bufs, k_ready,
-                               v_ready, kv_free, i_t, i_h, 1, k_start, n_steps, scale_log2, scale, NT, KIND, VARLEN,
+            (_ws_dq_consumer, (o, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, k_bufs, v_bufs, q_ready,
+                               q_free, k_ready, v_ready, kv_free, 1, n_tiles, scale_log2, scale, NT, KIND, VARLEN,
                                SEQ_T, SEQ_TK, A, BB, H, G, D, DV, BN, STAGES, GATED)),
-            (_ws_fwd_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_h, k_start, n_steps, D, DV,
-                              BN, STAGES)),
+            (_ws_range_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_free,
+                                k_ready, v_ready, kv_free, n_tiles, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H,
+                                G, D, DV, BN, STAGES, BWD)),
         ], [4, 1], [240, 24])
     else:
+        fence_async_shared()
         gl.warp_specialize([
-            (_ws_fwd_consumer, (q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_t, i_h,
-                                0, k_start, n_steps, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV,
+            (_ws_fwd_consumer, (o, lse, gate, lo, hi, q_bufs, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready,
+                                kv_free, 0, n_tiles, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV,
                                 BN, STAGES, GATED)),
-            (_ws_fwd_consumer, (q, o, lse, gate, lo, hi, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_t, i_h,
-                                1, k_start, n_steps, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV,
+            (_ws_fwd_consumer, (o, lse, gate, lo, hi, q_bufs, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready,
+                                kv_free, 1, n_tiles, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV,
                                 BN, STAGES, GATED)),
-            (_ws_fwd_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, kv_free, i_h, k_start, n_steps, D, DV,
-                              BN, STAGES)),
+            (_ws_range_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, None, k_bufs, v_bufs, q_ready, q_free,
+                                k_ready, v_ready, kv_free, n_tiles, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H,
+                                G, D, DV, BN, STAGES, BWD)),
         ], [4, 1], [240, 24])
 
 
@@ -1312,10 +1360,12 @@ def _range_fwd(q, k, v, gate, geo, lo, hi, scale):
     H, G = k.shape[1], HQ // k.shape[1]
     if _ws_rows_apply(geo) and _ws_applies(q, k, v):
         D, DV = q.shape[2], v.shape[2]
-        _ws_range_kernel[(triton.cdiv(NT, 128 // G), H)](
-            q, None, o, _ws_desc(k.view(-1, H * D), [128, D]), _ws_desc(v.view(-1, H * DV), [128, DV]), lse, None,
-            None, None, gate, lo, hi, scale * math.log2(math.e), 1., NT, **geo, H=H, G=G, D=D, DV=DV, BN=128,
-            STAGES=2, GATED=gate is not None, BWD=False, num_warps=4)
+        n_tiles = triton.cdiv(NT, 128 // G) * H
+        _ws_range_kernel[(min(n_tiles, _sm_count(q.device)),)](
+            _ws_desc(q, [128 // G, G, D]), None, o, _ws_desc(k.view(-1, H * D), [128, D]),
+            _ws_desc(v.view(-1, H * DV), [128, DV]), lse, None, None, None, gate, lo, hi, scale * math.log2(math.e),
+            1., NT, n_tiles, **geo, H=H, G=G, D=D, DV=DV, BN=128, STAGES=2, GATED=gate is not None, BWD=False,
+            num_warps=4)
         return o, lse
     M, launch = _launch_cfg("fwd", q, k, v)
     c, BT = _sizes(q, k, v, M)
@@ -1336,11 +1386,12 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale):
     lse2 = torch.empty_like(delta)                        # the dq kernel's base-2 gated lse (gate_lse), for dk/dv
     sl2 = scale * math.log2(math.e)
     if NT > 0 and _ws_rows_apply(geo) and _ws_applies(q, k, v, do):
-        H, D, DV = k.shape[1], q.shape[2], v.shape[2]
-        _ws_range_kernel[(triton.cdiv(NT, 128 // (HQ // H)), H)](
-            q, do, o, _ws_desc(k.view(-1, H * D), [64, D]), _ws_desc(v.view(-1, H * DV), [64, DV]), lse, lse2, delta,
-            dq, gate, lo, hi, sl2, scale, NT, **geo, H=H, G=HQ // H, D=D, DV=DV, BN=64, STAGES=2,
-            GATED=gate is not None, BWD=True, num_warps=4)
+        H, G, D, DV = k.shape[1], HQ // k.shape[1], q.shape[2], v.shape[2]
+        n_tiles = triton.cdiv(NT, 128 // G) * H
+        _ws_range_kernel[(min(n_tiles, _sm_count(q.device)),)](
+            _ws_desc(q, [128 // G, G, D]), _ws_desc(do, [128 // G, G, DV]), o, _ws_desc(k.view(-1, H * D), [64, D]),
+            _ws_desc(v.view(-1, H * DV), [64, DV]), lse, lse2, delta, dq, gate, lo, hi, sl2, scale, NT, n_tiles, **geo,
+            H=H, G=G, D=D, DV=DV, BN=64, STAGES=2, GATED=gate is not None, BWD=True, num_warps=4)
     elif NT > 0:
         M, launch = _launch_cfg("dq", q, k, v)
         c, BT = _sizes(q, k, v, M)

@@ -478,20 +478,32 @@ HOPPER_SHAPES = [(1, 128, False, torch.bfloat16), (2, 64, True, torch.float16), 
 @pytest.mark.gpu
 @pytest.mark.parametrize("G,D,gated,dtype", HOPPER_SHAPES, ids=[f"G{G}-D{D}-{'gated' if g else 'plain'}-{str(t)[6:]}"
                                                                  for G, D, g, t in HOPPER_SHAPES])
-def test_compressed_hopper_gpu(G, D, gated, dtype, monkeypatch):
-    """The warp-specialised compressed forward, dq and dk/dv (the forward and dq at every T here) against the reference,
-    every buffer they allocate NaN-poisoned: two rows of 130 compressed keys (a 128-key tile and 2 keys), queries
-    split into token chunks; and var-length input (where the forward and dq stay Triton's) with NaN padding keys."""
+def test_range_hopper_gpu(G, D, gated, dtype, monkeypatch):
+    """The warp-specialised kernels against the reference, every buffer they allocate NaN-poisoned: the compressed
+    forward, dq and dk/dv and the window's forward and dq, on two rows of 2100 tokens (130 compressed keys: a 128-key
+    tile and 2 keys; at G = 1 a 128-row tile straddles the rows), queries split into token chunks, and more tiles than
+    multiprocessors at G >= 4 (each persistent program walks several); and var-length input (where the forward and dq
+    stay Triton's) with NaN padding keys."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised kernels are Hopper's")
-    monkeypatch.setattr(nk, "WS_MIN_T", 0)
     q = torch.empty(1, 8, 2 * G, D, device="cuda", dtype=dtype)
     assert nk._ws_applies(nk.pack(q), q[0, :, :2], q[0, :, :2])
+    grids = []                                            # the persistent forward / dq launches
+
+    class Spy:
+        def __getitem__(self, grid, kernel=nk._ws_range_kernel):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(nk, "_ws_range_kernel", Spy())
     poison_allocations(monkeypatch)
     out, ref = run_cmp(2, 2100, 2 * G, 2, D, D, 32, 16, dtype, device="cuda", seed=G + D, gated=gated)
+    out_w, ref_w = run_win(2, 2100, 2 * G, 2, D, D, 512, dtype, device="cuda", seed=G + D, gated=gated)
     monkeypatch.undo()
-    monkeypatch.setattr(nk, "WS_MIN_T", 0)
+    tiles = 2 * -(-4200 // (128 // G))                    # 2 kv heads x tiles of 128 // G tokens
+    assert grids == [(min(tiles, nk._sm_count(q.device)),)] * 4, grids   # forward and dq of each branch
     check(out, ref, 1e-2, CMP_NAMES + (("dgate",) if gated else ()))
+    check(out_w, ref_w, 1e-2, WIN_NAMES + (("dgate",) if gated else ()))
     cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
     out, ref = run_cmp(1, 2000, 2 * G, 2, D, D, 32, 16, dtype, device="cuda", seed=G, cu=cu, gated=gated)
     check(out, ref, 1e-2, CMP_NAMES + (("dgate",) if gated else ()))
