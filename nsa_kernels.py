@@ -61,6 +61,8 @@ CONFIG = {
     "select_small_g": dict(tokens=32, keys_major=True, num_warps=4, num_stages=3),  # tokens per program, >= 64 rows
 }
 SMALL_G = 8
+SELECT_SMEM = 176 * 1024  # "select": bytes of its Q tile and key chunks at most (a Hopper block has 227 KiB of shared
+#                           memory; the kernel's reductions take up to about 25 KiB more)
 SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entries, here and in sel_kernel.py
 DKV_CHUNK = 256  # compressed dk/dv: fewest tokens per query chunk, and the grid aims at DKV_PROGRAMS programs
 DKV_PROGRAMS = 2048
@@ -1486,6 +1488,13 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
     BT = min(256, max(64, tokens * BG)) // BG if keys_major else max(1, M // BG)
     NP = max(16, triton.next_power_of_2(n_select))
     BKC = max(16, triton.next_power_of_2(NP * (sel_block // cmp_stride)))
+    # the Q tile and num_stages key chunks within SELECT_SMEM: a wide chunk (n or l' / d large) takes fewer stages,
+    # then fewer tokens a tile
+    smem = lambda: (BT * BG + launch["num_stages"] * BKC) * c["BD"] * q.element_size()
+    while smem() > SELECT_SMEM and launch["num_stages"] > 2:
+        launch["num_stages"] -= 1
+    while smem() > SELECT_SMEM and BT > (16 if keys_major else 1):
+        BT //= 2
     _select_kernel[(triton.cdiv(B * T, BT), H)](
         pack(q), pack(k_cmp), pack(lse), idx, pos, seq, cu_c, scale * math.log2(math.e), B * T,
         VARLEN=cu_seqlens is not None, SEQ_T=T, SEQ_TK=Tc,

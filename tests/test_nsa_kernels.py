@@ -458,16 +458,23 @@ def test_varlen_gpu():
     check(out, ref, 1e-2, WIN_NAMES)
 
 
+# (G, D, l', n, dtype): the paper's l' and n at G = 1..32; chunks of 128 compressed keys (l' / d = 8, or n = 32)
+# and of 256 (both), and at D = 256: these fit in shared memory only with fewer stages or tokens a tile
+SEL_GPU = [(1, 128, 64, 16, torch.bfloat16), (4, 128, 64, 16, torch.bfloat16), (16, 128, 64, 16, torch.bfloat16),
+           (16, 256, 64, 16, torch.bfloat16), (32, 64, 64, 16, torch.bfloat16), (16, 128, 128, 16, torch.bfloat16),
+           (16, 128, 64, 32, torch.bfloat16), (4, 128, 128, 32, torch.float16), (16, 256, 128, 16, torch.bfloat16)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("G,D", ((1, 128), (4, 128), (16, 128), (16, 256), (32, 64)))
-def test_select_blocks_gpu(G, D):
-    """bf16 inputs, reference on the same values in fp32 (bf16 products are exact in both): the index sets differ
+@pytest.mark.parametrize("G,D,lsel,n,dtype", SEL_GPU,
+                         ids=[f"G{g}-D{d}-l{ls}-n{n}-{str(t)[6:]}" for g, d, ls, n, t in SEL_GPU])
+def test_select_blocks_gpu(G, D, lsel, n, dtype):
+    """16-bit inputs, reference on the same values in fp32 (bf16 products are exact in both): the index sets differ
     only where two scores tie to rounding, on <= 0.1% of rows; with and without var-length. D = 256 halves the
     tiles (shared memory), G = 32 is the widest head group a tile sums."""
     cu = torch.tensor([0, 1000, 1000, 5000], dtype=torch.int32, device="cuda")
     for c in (None, cu):
-        idx, ref = run_sel(1, 5000, 2 * G, 2, D, 32, 16, 64, 16, 1, 2, seed=G, cu=c, device="cuda",
-                           dtype=torch.bfloat16)
+        idx, ref = run_sel(1, 5000, 2 * G, 2, D, 32, 16, lsel, n, 1, 2, seed=G, cu=c, device="cuda", dtype=dtype)
         assert (idx != ref).any(-1).float().mean().item() <= 1e-3
 
 
