@@ -297,6 +297,24 @@ def test_select_blocks_both_layouts(monkeypatch, keys_major, G):
         assert torch.equal(idx, ref), f"{(idx != ref).any(-1).sum().item()} of {idx[..., 0].numel()} rows differ"
 
 
+@pytest.mark.parametrize("G,D,lsel,n,dtype,tokens,stages", [(16, 128, 64, 16, torch.bfloat16, 32, 3),
+                                                              (16, 128, 128, 16, torch.bfloat16, 16, 2),
+                                                              (16, 128, 64, 32, torch.bfloat16, 16, 2),
+                                                              (4, 128, 128, 32, torch.float16, 32, 2),
+                                                              (16, 128, 64, 16, torch.float32, 8, 2)])
+def test_select_launch_fits_shared_memory(monkeypatch, G, D, lsel, n, dtype, tokens, stages):
+    """The select launch's Q tile and key chunks stay within SELECT_SMEM (GPU tests run these shapes): the paper's
+    shape as CONFIG has it; wider chunks (l' / d = 8, n = 32, both) and fp32 take fewer stages, then fewer tokens."""
+    launches = []
+    monkeypatch.setattr(nk, "_select_kernel", type("Spy", (), {"__getitem__": lambda self, grid: (
+        lambda *args, **kw: launches.append(kw))})())
+    q, k = torch.zeros(1, 64, 2 * G, D, dtype=dtype), torch.zeros(1, 3, 2, D, dtype=dtype)
+    nk.select_op(q, k, torch.zeros(1, 64, 2 * G), 32, 16, lsel, n, 1, 2, 1.0, None, None)
+    kw, = launches
+    assert (kw["BT"], kw["num_stages"]) == (tokens, stages)
+    assert (kw["BT"] * kw["BG"] + kw["num_stages"] * kw["BKC"]) * kw["BD"] * q.element_size() <= nk.SELECT_SMEM
+
+
 def test_select_blocks_varlen():
     cu = torch.tensor([0, 6, 6, 70, 150], dtype=torch.int32)
     idx, ref = run_sel(1, 150, 4, 2, 32, 8, 4, 16, 3, 1, 1, seed=6, cu=cu)
