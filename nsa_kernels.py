@@ -62,7 +62,7 @@ CONFIG = {
 }
 SMALL_G = 8
 SELECT_SMEM = 176 * 1024  # "select": bytes of its Q tile and key chunks at most (a Hopper block has 227 KiB of shared
-#                           memory; the kernel's reductions take up to about 25 KiB more)
+#                           memory; the kernel's reductions took up to 32 KiB more in the shapes that failed)
 SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entries, here and in sel_kernel.py
 DKV_CHUNK = 256  # compressed dk/dv: fewest tokens per query chunk, and the grid aims at DKV_PROGRAMS programs
 DKV_PROGRAMS = 2048
