@@ -388,12 +388,13 @@ def ref(q, k, v, idx):
 
 
 def selection_paths():
-    """The selection kernel's paths as overrides of sel_kernel.CONFIG: query-centric tiles (each token loads its own
-    blocks), union tiles of the rows of CONFIG["fwd_union"] in the forward and the dq (a block several tokens of a
-    tile chose is loaded once for them; 4 tokens at G = 16, where the default tile holds one), and the key-centric
-    forward."""
+    """The selection kernel's paths as overrides of sel_kernel.CONFIG: what "auto" picks at each shape, query-centric
+    tiles (each token loads its own blocks), union tiles of the rows of CONFIG["fwd_union"] in the forward and the dq
+    (a block several tokens of a tile chose is loaded once for them; 4 tokens at G = 16, where the default tile holds
+    one), and the key-centric forward."""
     union = sel_kernel.CONFIG["fwd_union"]
-    return {"query": {"path": "query", "fwd": {"union": False}, "dq": {"union": False}},
+    return {"auto": {"path": "auto"},
+            "query": {"path": "query", "fwd": {"union": False}, "dq": {"union": False}},
             "query union": {"path": "query", "fwd": union, "dq": {"union": True, "rows": union["rows"]}},
             "key": {"path": "key"}}
 
