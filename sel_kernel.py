@@ -411,14 +411,14 @@ def _sel_bwd_dkv_kernel(q, k, v, do, lse, delta, perm, c_begin, c_end, c_key, dk
 
 
 @triton.jit
-def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seq, seg_c0, seg_c1, NT, NB,
+def _sel_bwd_reduce_kernel(dk_part, dv_part, dk_acc, dv_acc, dk, dv, pos, seq, seg_c0, seg_c1, NK, NB, N_ACC,
                            H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                            BS: tl.constexpr, BSP: tl.constexpr, BR: tl.constexpr, ADD: tl.constexpr):
-    """dk/dv of each key = its block's chunk partials summed in chunk order; ADD: added to what dk/dv hold (the
-    earlier token windows' sums)."""
+    """dk/dv of the first NK keys = each one's block's chunk partials summed in chunk order; ADD: plus what dk_acc /
+    dv_acc (fp32, the earlier token windows' sums) hold for the first N_ACC keys."""
     i_r, i_h = tl.program_id(0), tl.program_id(1)
     u = i_r * BR + tl.arange(0, BR)                       # [BR] global key tokens
-    m_u = u < NT
+    m_u = u < NK
     off = tl.load(pos + u, mask=m_u, other=0) % BS        # row inside its selection block
     blk = i_h * NB + (u - off) // BS + tl.load(seq + u, mask=m_u, other=0)  # (head, block number), as _clean_kernel
     c0 = tl.load(seg_c0 + blk, mask=m_u, other=0)         # its chunks: [c0, c1), summed in this order
@@ -432,8 +432,8 @@ def _sel_bwd_reduce_kernel(dk_part, dv_part, dk, dv, pos, seq, seg_c0, seg_c1, N
         b_dv += load_rows(dv_part, part, m_c, DV, BDV)
     out = u.to(tl.int64) * H + i_h
     if ADD:
-        b_dk += load_rows(dk, out, m_u, D, BD)
-        b_dv += load_rows(dv, out, m_u, DV, BDV)
+        b_dk += load_rows(dk_acc, out, m_u & (u < N_ACC), D, BD)
+        b_dv += load_rows(dv_acc, out, m_u & (u < N_ACC), DV, BDV)
     store_rows(dk, out, m_u, b_dk, D, BD)
     store_rows(dv, out, m_u, b_dv, DV, BDV)
 
@@ -1287,12 +1287,17 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     dq_part = torch.empty(rows, D, device=q.device, dtype=q.dtype) if key_path else None
     M_sum, sum_cfg = _sum_launch(c["G"], NS, NKC)
     dk, dv = torch.empty_like(kf), torch.empty_like(vf)
-    dk_sum, dv_sum = (dk, dv) if len(windows) == 1 else (torch.empty_like(kf, dtype=torch.float32),  # windows add
-                                                          torch.empty_like(vf, dtype=torch.float32))  # up in fp32
+    # the windows' sums add up in fp32 for the keys an earlier window reaches: those before the last window (a key's
+    # gradients come from the tokens at or after it); the last window writes every key's dk, dv
+    N_ACC = 0 if len(windows) == 1 else windows[-1][0]
+    dk_acc = torch.empty(N_ACC, H, D, device=q.device, dtype=torch.float32)
+    dv_acc = torch.empty(N_ACC, H, DV, device=q.device, dtype=torch.float32)
+    NC_max = max(w[1].numel() for w in per_window)                            # one set of partials, reused
+    dk_parts = torch.empty(NC_max, BSP, D, device=q.device, dtype=torch.float32)  # by each window in turn
+    dv_parts = torch.empty(NC_max, BSP, DV, device=q.device, dtype=torch.float32)
     for (t0, t1), (perm, c_begin, c_end, c_key, seg_c0, seg_c1) in zip(windows, per_window):
         NC = c_begin.numel()
-        dk_part = torch.empty(NC, BSP, D, device=q.device, dtype=torch.float32)
-        dv_part = torch.empty(NC, BSP, DV, device=q.device, dtype=torch.float32)
+        dk_part, dv_part = dk_parts[:NC], dv_parts[:NC]
         if (not key_path and sel_block == 64 and BSP == 64 and c["G"] >= 8 and min(D, DV) >= 64 and
                 nsa_kernels._ws_applies(qf, kf, vf, dof)):
             _ws_sel_dkv(qf, kf, vf, dof, lse, delta, perm, c_begin, c_end, c_key, dk_part, dv_part, ds, pos,
@@ -1306,8 +1311,11 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
                                                                           M=M_sum, D=D, BD=c["BD"], NS=NS, NKC=NKC,
                                                                           **sum_cfg)
         NB = seg_c0.numel() // H                                               # block numbers per kv head
-        _sel_bwd_reduce_kernel[(triton.cdiv(NT, 32), H)](dk_part, dv_part, dk_sum, dv_sum, pos, seq, seg_c0, seg_c1,
-                                                         NT, NB, H=H, D=D, DV=DV, BD=c["BD"], BDV=c["BDV"],
+        last = t1 == NT
+        NK = NT if last else N_ACC
+        _sel_bwd_reduce_kernel[(triton.cdiv(NK, 32), H)](dk_part, dv_part, dk_acc, dv_acc, dk if last else dk_acc,
+                                                         dv if last else dv_acc, pos, seq, seg_c0, seg_c1, NK, NB,
+                                                         N_ACC, H=H, D=D, DV=DV, BD=c["BD"], BDV=c["BDV"],
                                                          BS=sel_block, BSP=BSP, BR=32, ADD=t0 > 0)
     if ds is not None:
         M, union, _ = _query_launch("dq", c["G"], T, max(D, DV))    # the dq's tiles, its union tiles unsplit
@@ -1316,9 +1324,6 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
         _sel_ds_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](
             kb, ds, dq, idx, pos, order, lst, cnt, scale, NT, H=H, G=c["G"], M=M, D=D, BD=c["BD"], BS=sel_block,
             BK=c["BK"], BSP=BSP, NS=NS, BNS=triton.next_power_of_2(NS), UNION=union, BOXES=boxes, **CONFIG["dq_ds"])
-    if dk_sum is not dk:
-        dk.copy_(dk_sum)
-        dv.copy_(dv_sum)
     return dq.view_as(q), dk.view_as(k), dv.view_as(v), gate_grad(delta, gate)
 
 

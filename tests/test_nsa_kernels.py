@@ -326,12 +326,13 @@ def test_select_blocks_varlen():
 
 
 def poison_allocations(monkeypatch):
-    """From here on every buffer torch.empty / empty_like allocates starts as NaN (ints as -2^30)."""
+    """From here on every buffer torch.empty / empty_like allocates starts as NaN (ints as -2^30, or their most
+    negative value where narrower)."""
     empty, empty_like = torch.empty, torch.empty_like
 
     @torch.no_grad()                                      # (a leaf that requires grad may be filled so too)
     def poison(x):
-        return x.fill_(float("nan")) if x.is_floating_point() else x.fill_(-(1 << 30))
+        return x.fill_(float("nan")) if x.is_floating_point() else x.fill_(max(-(1 << 30), torch.iinfo(x.dtype).min))
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
