@@ -47,7 +47,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 # on registers per thread) fits four blocks per multiprocessor instead of three without spilling (it spills at
 # D = 128).
 # keys_major ("select") holds the scores as [compressed keys, query rows]: faster at G = 1..4 (sized there by tokens
-# per program), slower at G = 16; there 512 rows (G = 16: 32 tokens) share each compressed key tile, in 16 warps.
+# per program), slower at G = 16; there 256 rows (G = 16: 16 tokens) share each compressed key tile, in 4 warps
+# (picked on one H200, where it beat the H100 sweep's 512 rows in 16 warps: RESULTS has both), and above LARGE_G
+# 512 rows in 16 warps (8 tokens a tile spill).
 CONFIG = {
     "fwd": dict(M=128, BN=64, num_warps=4, num_stages=2),
     "fwd_small_g": dict(M=64, BN=64, num_warps=4, num_stages=2),
@@ -57,10 +59,12 @@ CONFIG = {
     "dkv": dict(M=64, BN=64, num_warps=4, num_stages=2),
     "dkv_few": dict(M=128, BN=64, num_warps=8, num_stages=2),  # "dkv" on grids below DKV_FEW_PROGRAMS programs
     "dkv_small_d": dict(M=64, BN=64, num_warps=4, num_stages=3),
-    "select": dict(M=512, keys_major=False, num_warps=16, num_stages=3),
+    "select": dict(M=256, keys_major=False, num_warps=4, num_stages=2),
     "select_small_g": dict(tokens=32, keys_major=True, num_warps=4, num_stages=3),  # tokens per program, >= 64 rows
+    "select_large_g": dict(M=512, keys_major=False, num_warps=16, num_stages=3),
 }
 SMALL_G = 8
+LARGE_G = 16
 SELECT_SMEM = 176 * 1024  # "select": bytes of its Q tile and key chunks at most (a Hopper block has 227 KiB of shared
 #                           memory; the kernel's reductions took up to 32 KiB more in the shapes that failed)
 SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entries, here and in sel_kernel.py
@@ -1319,10 +1323,11 @@ def _sizes(q, k, v, rows):
 
 def launch_entry(name, G, width, table=None):
     """The entry of `table` (this file's CONFIG, or sel_kernel's) kernel `name` launches with at G query heads per kv
-    head and heads width = max(D, Dv) wide: "{name}_small_d" up to SMALL_D wide, else "{name}_small_g" below SMALL_G,
-    where the table has them, else name."""
+    head and heads width = max(D, Dv) wide: "{name}_small_d" up to SMALL_D wide, else "{name}_small_g" below SMALL_G
+    or "{name}_large_g" above LARGE_G, where the table has them, else name."""
     table = CONFIG if table is None else table
-    for entry, applies in ((f"{name}_small_d", width <= SMALL_D), (f"{name}_small_g", G < SMALL_G)):
+    for entry, applies in ((f"{name}_small_d", width <= SMALL_D), (f"{name}_small_g", G < SMALL_G),
+                           (f"{name}_large_g", G > LARGE_G)):
         if applies and entry in table:
             return entry
     return name

@@ -217,8 +217,11 @@ def test_dkv_entry_by_grid_size(monkeypatch, few):
 
 def test_launch_entry_by_width_then_group():
     """Heads up to SMALL_D wide take a kernel's *_small_d entry where CONFIG has one, else groups below SMALL_G its
-    *_small_g entry where it has one, else the kernel's own entry; and the range kernels launch with it."""
-    d, g = nk.SMALL_D, nk.SMALL_G
+    *_small_g entry and groups above LARGE_G its *_large_g entry where it has them, else the kernel's own entry; and
+    the range kernels launch with it."""
+    d, g, big = nk.SMALL_D, nk.SMALL_G, nk.LARGE_G
+    assert nk.launch_entry("select", big, d + 1) == "select" and nk.launch_entry("select", big + 1, d) == "select_large_g"
+    assert nk.launch_entry("fwd", big + 1, d + 1) == "fwd"
     assert nk.launch_entry("dkv", g, d) == "dkv_small_d" and nk.launch_entry("dkv", 1, d + 1) == "dkv"
     assert nk.launch_entry("fwd", 1, d) == "fwd_small_d" and nk.launch_entry("fwd", g, d + 1) == "fwd"
     assert nk.launch_entry("fwd", 1, d + 1) == "fwd_small_g" and nk.launch_entry("select", 1, d) == "select_small_g"
@@ -297,14 +300,16 @@ def test_select_blocks_both_layouts(monkeypatch, keys_major, G):
         assert torch.equal(idx, ref), f"{(idx != ref).any(-1).sum().item()} of {idx[..., 0].numel()} rows differ"
 
 
-@pytest.mark.parametrize("G,D,lsel,n,dtype,tokens,stages", [(16, 128, 64, 16, torch.bfloat16, 32, 3),
-                                                              (16, 128, 128, 16, torch.bfloat16, 16, 2),
-                                                              (16, 128, 64, 32, torch.bfloat16, 16, 2),
+@pytest.mark.parametrize("G,D,lsel,n,dtype,tokens,stages", [(16, 128, 64, 16, torch.bfloat16, 16, 2),
+                                                              (32, 128, 64, 16, torch.bfloat16, 16, 3),
+                                                              (32, 128, 128, 16, torch.bfloat16, 8, 2),
+                                                              (32, 128, 64, 32, torch.bfloat16, 8, 2),
                                                               (4, 128, 128, 32, torch.float16, 32, 2),
                                                               (16, 128, 64, 16, torch.float32, 8, 2)])
 def test_select_launch_fits_shared_memory(monkeypatch, G, D, lsel, n, dtype, tokens, stages):
     """The select launch's Q tile and key chunks stay within SELECT_SMEM (GPU tests run these shapes): the paper's
-    shape as CONFIG has it; wider chunks (l' / d = 8, n = 32, both) and fp32 take fewer stages, then fewer tokens."""
+    shape as CONFIG has it at G = 16 and 32; wider chunks (l' / d = 8, n = 32, both) and fp32 take fewer stages, then
+    fewer tokens."""
     launches = []
 
     class Spy:                                            # records the launch instead of running the kernel
@@ -482,7 +487,7 @@ def test_varlen_gpu():
 
 
 # (G, D, l', n, dtype): the paper's l' and n at G = 1..32; chunks of 128 compressed keys (l' / d = 8, or n = 32)
-# and of 256 (both), and at D = 256: these fit in shared memory only with fewer stages or tokens a tile
+# and of 256 (both), and at D = 256: some fit in shared memory only with fewer stages or tokens a tile
 SEL_GPU = [(1, 128, 64, 16, torch.bfloat16), (4, 128, 64, 16, torch.bfloat16), (16, 128, 64, 16, torch.bfloat16),
            (16, 256, 64, 16, torch.bfloat16), (32, 64, 64, 16, torch.bfloat16), (16, 128, 128, 16, torch.bfloat16),
            (16, 128, 64, 32, torch.bfloat16), (4, 128, 128, 32, torch.float16), (16, 256, 128, 16, torch.bfloat16)]
