@@ -736,7 +736,7 @@ def layer_sweep(trained):
                            ((64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 2),
                             (64, 64, 4, 3), (64, 32, 4, 2))],
             entry["select"]: [dict(keys_major=False, M=m, num_warps=w, num_stages=s) for m, w, s in
-                              ((512, 16, 3), (512, 16, 2), (256, 8, 2), (128, 8, 2), (128, 4, 2))] +
+                              ((256, 4, 2), (512, 16, 3), (512, 16, 2), (256, 8, 2), (128, 8, 2), (128, 4, 2))] +
                              [dict(keys_major=True, tokens=t, num_warps=w, num_stages=s) for t, w, s in
                               ((16, 4, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3), (32, 8, 2))]}
     sweep_configs(f"layer sweep T={T} HQ={hq}: ms of each op under each config of one kernel", nsa_kernels.CONFIG,
