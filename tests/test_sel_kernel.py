@@ -140,19 +140,13 @@ def test_key_path_window_sums_nan_poison(path, monkeypatch):
     """Token windows: the keys of the last window get their dk/dv from it alone (a key's gradients come from the
     tokens at or after it), the earlier keys sum the windows in fp32. Every buffer starts as NaN, and o and every
     gradient still match the reference, var-length, with blocks that straddle the windows' border."""
-    T, HQ, H, n, l = 100, 4, 2, 3, 16
+    HQ, n = 4, 3
     monkeypatch.setattr(sel_kernel, "KEY_WINDOW_ROWS", 60 * HQ * n)            # windows [0, 60) and [60, 100)
     cu = torch.tensor([0, 45, 100], dtype=torch.int32)
-    q, k, v, do = randn((1, T, HQ, 32), (1, T, H, 32), (1, T, H, 32), (1, T, HQ, 32), seed=6)
-    idx = random_indices(1, T, H, n, l, seed=6, cu_seqlens=cu)
-    qk = [x.clone().requires_grad_() for x in (q, k, v)]
     poison_allocations(monkeypatch)
-    o = sel_kernel.selection_attention_triton(*qk, idx, l, None, cu)
-    out = (o, *torch.autograd.grad(o, qk, do))
+    out, ref = run_both(1, 100, HQ, 2, 32, 32, n, 16, torch.float32, seed=6, cu_seqlens=cu)
     monkeypatch.undo()
-    qr = [x.double().requires_grad_() for x in (q, k, v)]
-    o_ref = nsa_attention.selection_attention(*qr, idx, l, cu_seqlens=cu, backend="torch")
-    for name, a, b in zip(("o", "dq", "dk", "dv"), out, (o_ref, *torch.autograd.grad(o_ref, qr, do.double()))):
+    for name, a, b in zip(("o", "dq", "dk", "dv"), out, ref):
         assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
 
 
