@@ -15,8 +15,9 @@ public functions at the bottom; test_nsa_kernels.py and test_decode.py check the
 #
 # Block selection (Eq. 8-10) streams the compressed keys again with the compressed branch's lse: per chunk of NP
 # selection blocks (causally masked only where a token of the tile does not see the whole chunk) it computes p_cmp
-# [BT*BG, BKC] (heads padded to BG; at small G as [BKC, BT*BG], keys on the rows, which makes the head sum a row
-# reduction and Eq. 9 a dot of [NP, BKC] weights), sums the group's heads (Eq. 10), maps compressed to selection blocks
+# [BT*BG, BKC] (heads padded to BG, rows in the order _head_rows gives, so that each thread sums its token's heads
+# mostly by itself; at small G as [BKC, BT*BG], keys on the rows, which makes the head sum a row reduction and Eq. 9
+# a dot of [NP, BKC] weights), sums the group's heads (Eq. 10), maps compressed to selection blocks
 # with the overlap weights (Eq. 9; a carry holds the part of the last compressed blocks that spills into the next
 # chunk), packs (score bits, -j) into one int64 and merges it into a running sorted top-NP list (bitonic merge: the
 # top-NP of two sorted lists is max(a_desc, b_asc)). Only the (B, T, H, n) int32 indices are written.
@@ -998,18 +999,47 @@ def _overlap(start, block, L: tl.constexpr, LS: tl.constexpr, DS: tl.constexpr):
 
 
 @triton.jit
+def _head_rows(M: tl.constexpr, BG: tl.constexpr, QB: tl.constexpr):
+    """The token (in the tile) and the head (in the group) of each row of an [M, keys] score tile. QB = 0: token
+    major, heads minor. QB > 0 orders them for a Hopper wgmma accumulator, whose threads each hold rows
+    64 s + 16 w + 8 h + q for every s and h (w: the thread's warp, q: its lane // 4): a token's BG heads take all
+    (s, h) and QB of the q, so that their sum (_head_sum) is adds inside the thread and log2(QB) shuffles, where token
+    major rows take three shuffle levels. Any order gives the same sums; only the speed depends on the layout."""
+    o_m = tl.arange(0, M)
+    if QB == 0:
+        t_m, g_r = o_m // BG, o_m % BG
+    else:
+        q = o_m % 8
+        t_m, g_r = (o_m // 16) % 4 * (8 // QB) + q // QB, ((o_m // 64) * 2 + (o_m // 8) % 2) * QB + q % QB
+    return t_m, g_r
+
+
+@triton.jit
+def _head_sum(b_p, M: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, BKC: tl.constexpr, QB: tl.constexpr):
+    """Eq. 10: [M, BKC] scores -> [BT, BKC], the sum of each token's rows as _head_rows orders them."""
+    if QB == 0:
+        b_pg = tl.sum(tl.reshape(b_p, [BT, BG, BKC]), 1)
+    else:
+        b_p = tl.reshape(b_p, [M // 64, 4, 2, 8 // QB, QB, BKC])    # [s, w, h, q // QB, q % QB, keys]
+        b_pg = tl.reshape(tl.sum(tl.sum(tl.sum(b_p, 4), 2), 0), [BT, BKC])
+    return b_pg
+
+
+@triton.jit
 def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.constexpr, SEQ_T, SEQ_TK,
                    H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
                    D: tl.constexpr, BD: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LS: tl.constexpr,
                    NS: tl.constexpr, NP: tl.constexpr, BKC: tl.constexpr, N_INIT: tl.constexpr,
-                   N_LOCAL: tl.constexpr, LOG_NP: tl.constexpr, N_DIMS: tl.constexpr, KEYS_MAJOR: tl.constexpr):
+                   N_LOCAL: tl.constexpr, LOG_NP: tl.constexpr, N_DIMS: tl.constexpr, KEYS_MAJOR: tl.constexpr,
+                   QB: tl.constexpr):
     # later tokens score more chunks: the last tiles launch first, so the short ones fill the end of the grid
     i_t, i_h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
     M: tl.constexpr = BT * BG
     CPS: tl.constexpr = LS // DS                          # compressed blocks starting in one selection block
     o_b, o_c, o_j = tl.arange(0, BT), tl.arange(0, BKC), tl.arange(0, NP)
-    t_r = i_t * BT + tl.arange(0, M) // BG                # [M] rows: token major, group heads padded to BG minor
-    m_r, t_off, hq_r = tile_rows(t_r, tl.arange(0, M) % BG, t_r < NT, i_h, H, G)
+    t_m, g_r = _head_rows(M, BG, QB)                      # [M] each row's token in the tile, head (padded to BG)
+    t_r = i_t * BT + t_m
+    m_r, t_off, hq_r = tile_rows(t_r, g_r, t_r < NT, i_h, H, G)
     t_b = i_t * BT + o_b                                  # [BT] tokens of the tile
     m_b = t_b < NT
     if VARLEN:                                            # packed sequences: position and sequence id arrays
@@ -1070,7 +1100,7 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
                 if not seen:
                     vis = m_c[None, :] & (ic[None, :] * DS + L - 1 <= pos_r[:, None])
                     b_p = tl.where(vis, b_p, 0.)
-                b_pg = tl.sum(tl.reshape(b_p, [BT, BG, BKC]), 1)                          # [BT, BKC] Eq. 10
+                b_pg = _head_sum(b_p, M, BT, BG, BKC, QB)                                 # [BT, BKC] Eq. 10
                 if BT >= 16:
                     b_sc = tl.dot(b_pg, w, input_precision="ieee")                        # [BT, NP]
                 else:
@@ -1470,6 +1500,13 @@ def _range_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 range_attn_fwd, range_attn_bwd = attention_op("range_attn", _range_attn_fwd, _range_attn_bwd)
 
 
+def _head_bits(M, BG):
+    """_head_rows' QB for a rows-major tile of M rows and BG heads a token: BG / (2 * M / 64) where that is 1..8, else
+    0 (token major)."""
+    s = M // 64
+    return BG // (2 * s) if M % 64 == 0 and 2 * s <= BG <= 16 * s else 0
+
+
 @torch.library.custom_op("nsa::select", mutates_args=())
 def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block: int, cmp_stride: int,
               sel_block: int, n_select: int, n_init: int, n_local: int, scale: float,
@@ -1505,7 +1542,8 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
         VARLEN=cu_seqlens is not None, SEQ_T=T, SEQ_TK=Tc,
         H=H, G=c["G"], BG=BG, BT=BT, D=D, BD=c["BD"], L=cmp_block, DS=cmp_stride, LS=sel_block,
         NS=n_select, NP=NP, BKC=BKC, N_INIT=n_init, N_LOCAL=n_local, LOG_NP=int(math.log2(NP)),
-        N_DIMS=int(math.log2(NP * BT)), KEYS_MAJOR=keys_major, **launch)
+        N_DIMS=int(math.log2(NP * BT)), KEYS_MAJOR=keys_major, QB=0 if keys_major else _head_bits(BT * BG, BG),
+        **launch)
     return idx.view(B, T, H, n_select)
 
 
