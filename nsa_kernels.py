@@ -1003,8 +1003,8 @@ def _head_rows(M: tl.constexpr, BG: tl.constexpr, QB: tl.constexpr):
     """The token (in the tile) and the head (in the group) of each row of an [M, keys] score tile. QB = 0: token
     major, heads minor. QB > 0 orders them for a Hopper wgmma accumulator, whose threads each hold rows
     64 s + 16 w + 8 h + q for every s and h (w: the thread's warp, q: its lane // 4): a token's BG heads take all
-    (s, h) and QB of the q, so that their sum (_head_sum) is adds inside the thread and log2(QB) shuffles, where token
-    major rows take three shuffle levels. Any order gives the same sums; only the speed depends on the layout."""
+    (s, h) and QB of the q, so that their sum (_head_sum) is adds inside the thread and log2(QB) shuffle levels, where
+    token major rows take up to three. Any order gives the same sums; only the speed depends on the layout."""
     o_m = tl.arange(0, M)
     if QB == 0:
         t_m, g_r = o_m // BG, o_m % BG
