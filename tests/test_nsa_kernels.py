@@ -492,9 +492,11 @@ def test_varlen_gpu():
     check(out, ref, 1e-2, WIN_NAMES)
 
 
-# (G, D, l', n, dtype): the paper's l' and n at G = 1..32; chunks of 128 compressed keys (l' / d = 8, or n = 32)
-# and of 256 (both), and at D = 256: some fit in shared memory only with fewer stages or tokens a tile
-SEL_GPU = [(1, 128, 64, 16, torch.bfloat16), (4, 128, 64, 16, torch.bfloat16), (16, 128, 64, 16, torch.bfloat16),
+# (G, D, l', n, dtype): the paper's l' and n at G = 1..32 (G = 8, 16, 32: each thread sums one token's heads,
+# _head_rows); chunks of 128 compressed keys (l' / d = 8, or n = 32) and of 256 (both), and at D = 256: some fit in
+# shared memory only with fewer stages or tokens a tile
+SEL_GPU = [(1, 128, 64, 16, torch.bfloat16), (4, 128, 64, 16, torch.bfloat16), (8, 128, 64, 16, torch.bfloat16),
+           (16, 128, 64, 16, torch.bfloat16),
            (16, 256, 64, 16, torch.bfloat16), (32, 64, 64, 16, torch.bfloat16), (16, 128, 128, 16, torch.bfloat16),
            (16, 128, 64, 32, torch.bfloat16), (4, 128, 128, 32, torch.float16), (16, 256, 128, 16, torch.bfloat16)]
 
