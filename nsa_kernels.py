@@ -16,8 +16,8 @@ public functions at the bottom; test_nsa_kernels.py and test_decode.py check the
 # Block selection (Eq. 8-10) streams the compressed keys again with the compressed branch's lse: per chunk of NP
 # selection blocks (causally masked only where a token of the tile does not see the whole chunk) it computes p_cmp
 # [BT*BG, BKC] (heads padded to BG, rows in the order _head_rows gives, so that each thread sums its token's heads
-# mostly by itself; at small G as [BKC, BT*BG], keys on the rows, which makes the head sum a row reduction and Eq. 9
-# a dot of [NP, BKC] weights), sums the group's heads (Eq. 10), maps compressed to selection blocks
+# mostly by itself; at small G as [BKC, BT*BG], keys on the rows, which makes Eq. 9 a dot of [NP, BKC] weights, the
+# query columns in _head_rows' order too), sums the group's heads (Eq. 10), maps compressed to selection blocks
 # with the overlap weights (Eq. 9; a carry holds the part of the last compressed blocks that spills into the next
 # chunk), packs (score bits, -j) into one int64 and merges it into a running sorted top-NP list (bitonic merge: the
 # top-NP of two sorted lists is max(a_desc, b_asc)). Only the (B, T, H, n) int32 indices are written.
@@ -1004,10 +1004,14 @@ def _head_rows(M: tl.constexpr, BG: tl.constexpr, QB: tl.constexpr):
     major, heads minor. QB > 0 orders them for a Hopper wgmma accumulator, whose threads each hold rows
     64 s + 16 w + 8 h + q for every s and h (w: the thread's warp, q: its lane // 4): a token's BG heads take all
     (s, h) and QB of the q, so that their sum (_head_sum) is adds inside the thread and log2(QB) shuffle levels, where
-    token major rows take up to three. Any order gives the same sums; only the speed depends on the layout."""
+    token major rows take up to three. QB = -1 does the same for a keys-major [keys, M] tile, whose query rows are
+    the accumulator's columns, 8 j + 2 r + e for every j and e (r: lane % 4): a token's heads take e and BG / 2 of
+    the j, all in one thread. Any order gives the same sums; only the speed depends on the layout."""
     o_m = tl.arange(0, M)
     if QB == 0:
         t_m, g_r = o_m // BG, o_m % BG
+    elif QB == -1:
+        t_m, g_r = o_m // (4 * BG) * 4 + (o_m // 2) % 4, (o_m // 8) % (BG // 2) * 2 + o_m % 2
     else:
         q = o_m % 8
         t_m, g_r = (o_m // 16) % 4 * (8 // QB) + q // QB, ((o_m // 64) * 2 + (o_m // 8) % 2) * QB + q % QB
@@ -1016,8 +1020,12 @@ def _head_rows(M: tl.constexpr, BG: tl.constexpr, QB: tl.constexpr):
 
 @triton.jit
 def _head_sum(b_p, M: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, BKC: tl.constexpr, QB: tl.constexpr):
-    """Eq. 10: [M, BKC] scores -> [BT, BKC], the sum of each token's rows as _head_rows orders them."""
-    if QB == 0:
+    """Eq. 10: [M, BKC] scores -> [BT, BKC] (keys major, QB = -1: [BKC, M] -> [BKC, BT]), the sum of each token's
+    rows as _head_rows orders them."""
+    if QB == -1:
+        b_p = tl.reshape(b_p, [BKC, M // (4 * BG), BG // 2, 4, 2])  # [keys, t // 4, j % (BG / 2), r, e]
+        b_pg = tl.reshape(tl.sum(tl.sum(b_p, 4), 2), [BKC, BT])
+    elif QB == 0:
         b_pg = tl.sum(tl.reshape(b_p, [BT, BG, BKC]), 1)
     else:
         b_p = tl.reshape(b_p, [M // 64, 4, 2, 8 // QB, QB, BKC])    # [s, w, h, q // QB, q % QB, keys]
@@ -1091,7 +1099,10 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
                 if not seen:
                     vis = m_c[:, None] & (ic[:, None] * DS + L - 1 <= pos_r[None, :])
                     b_p = tl.where(vis, b_p, 0.)
-                b_pg = tl.sum(tl.reshape(b_p, [BKC, BT, BG]), 2)                          # [BKC, BT] Eq. 10
+                if QB == -1:
+                    b_pg = _head_sum(b_p, M, BT, BG, BKC, QB)                             # [BKC, BT] Eq. 10
+                else:
+                    b_pg = tl.sum(tl.reshape(b_p, [BKC, BT, BG]), 2)
                 b_sc = tl.trans(tl.dot(w, b_pg, input_precision="tf32x3"))                # [BT, NP]
                 spill = tl.sum(b_pg * spill_w[:, None], 0)
             else:
@@ -1500,9 +1511,11 @@ def _range_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 range_attn_fwd, range_attn_bwd = attention_op("range_attn", _range_attn_fwd, _range_attn_bwd)
 
 
-def _head_bits(M, BG):
-    """_head_rows' QB for a rows-major tile of M rows and BG heads a token: BG / (2 * M / 64) where that is 1..8, else
-    0 (token major)."""
+def _head_bits(M, BG, keys_major):
+    """_head_rows' QB for a tile of M query rows and BG heads a token. Keys major: -1 where BG >= 2 and 4 BG divides
+    M, else 0 (token major). Rows major: BG / (2 * M / 64) where that is 1..8, else 0."""
+    if keys_major:
+        return -1 if BG >= 2 and M % (4 * BG) == 0 else 0
     s = M // 64
     return BG // (2 * s) if M % 64 == 0 and 2 * s <= BG <= 16 * s else 0
 
@@ -1542,7 +1555,7 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
         VARLEN=cu_seqlens is not None, SEQ_T=T, SEQ_TK=Tc,
         H=H, G=c["G"], BG=BG, BT=BT, D=D, BD=c["BD"], L=cmp_block, DS=cmp_stride, LS=sel_block,
         NS=n_select, NP=NP, BKC=BKC, N_INIT=n_init, N_LOCAL=n_local, LOG_NP=int(math.log2(NP)),
-        N_DIMS=int(math.log2(NP * BT)), KEYS_MAJOR=keys_major, QB=0 if keys_major else _head_bits(BT * BG, BG),
+        N_DIMS=int(math.log2(NP * BT)), KEYS_MAJOR=keys_major, QB=_head_bits(BT * BG, BG, keys_major),
         **launch)
     return idx.view(B, T, H, n_select)
 

@@ -289,18 +289,22 @@ def test_select_blocks_forced_padding_and_own_lse():
 
 @pytest.mark.parametrize("G,keys_major,M", [(1, False, 256), (1, True, 256), (3, False, 256), (3, True, 256),
                                             (8, False, 256), (8, True, 256), (16, False, 256), (16, False, 128),
-                                            (20, False, 512), (20, True, 512)])
+                                            (16, True, 256), (20, False, 512), (20, True, 512)])
 def test_select_blocks_both_layouts(monkeypatch, G, keys_major, M):
     """The score tile as [query rows, keys] and as [keys, query rows] (CONFIG picks one by G), each at small and large
-    G, against the reference (G = 20 takes [query rows, keys] either way: too few tokens per tile); query rows token
-    major at G = 1, 3 and in _head_rows' order at G = 8, 16, 20 (QB = 1, 2 and 4 in 128-row tiles, 2); var-length and
-    rows of 250 tokens (tiles across two rows), with 30-50 blocks: chunks of 16 that a tile sees whole (no mask); no
-    local blocks forced, so the scores next to a query decide too."""
+    G, against the reference (G = 20 takes [query rows, keys] either way: too few tokens per tile). Query rows token
+    major at G = 1 and rows-major G = 3, in _head_rows' order elsewhere: QB = 1, 2 and 4 in 128-row tiles, 2 at
+    rows-major G = 8, 16, 20, and -1 at keys-major G = 3, 8, 16. Var-length and rows of 250 tokens (tiles across two
+    rows), with 30-50 blocks: chunks of 16 that a tile sees whole (no mask); no local blocks forced, so the scores
+    next to a query decide too."""
     monkeypatch.setattr(nk, "SMALL_G", 0)                                    # every G takes CONFIG["select"]
     monkeypatch.setattr(nk, "LARGE_G", 64)                                   # (not "*_small_g", "*_large_g")
     monkeypatch.setitem(nk.CONFIG, "select", dict(nk.CONFIG["select"], M=M, keys_major=keys_major, tokens=16))
-    if not keys_major:
-        assert nk._head_bits(M, 1 << (G - 1).bit_length()) == {1: 0, 3: 0, 8: 1, 16: 512 // M, 20: 2}[G]
+    BG = 1 << (G - 1).bit_length()
+    if keys_major and G < 20:                                                # 16 tokens, 64..256 rows
+        assert nk._head_bits(min(256, max(64, 16 * BG)), BG, True) == (0 if G == 1 else -1)
+    else:
+        assert nk._head_bits(M, BG, False) == {1: 0, 3: 0, 8: 1, 16: 512 // M, 20: 2}[G]
     for B, T, cu in ((1, 400, torch.tensor([0, 70, 400], dtype=torch.int32)), (2, 250, None)):
         idx, ref = run_sel(B, T, 2 * G, 2, 32, 8, 4, 8, 4, 1, 0, seed=G, cu=cu)
         assert torch.equal(idx, ref), f"{(idx != ref).any(-1).sum().item()} of {idx[..., 0].numel()} rows differ"
