@@ -416,6 +416,9 @@ def _kernel(backend, x, name):
     if fn is None and backend == "triton":
         raise ValueError(f"backend='triton' needs {name} from sel_kernel.py / nsa_kernels.py "
                          f"({KERNEL_IMPORT_ERROR or 'not defined'}); use backend='torch'")
+    if x.is_cuda and x.dtype == torch.float32 and x.shape[-1] > 128:  # their tiles outgrow a block's shared memory
+        raise ValueError(f"the Triton kernels take fp32 heads up to 128 wide, got {x.shape[-1]}: use bfloat16 or "
+                         f"float16, or backend='torch'")
     return fn
 
 

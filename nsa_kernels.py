@@ -1376,12 +1376,12 @@ def launch_entry(name, G, width, table=None):
 
 def _launch_cfg(name, q, k, v):
     """(M, launch kwargs) for a kernel on q (..., HQ, D), k (..., H, D), v (..., H, Dv): the CONFIG entry of its
-    G = HQ / H and head width; heads wider than 128 halve the tiles and take at most 2 stages, so that they fit in
-    shared memory."""
+    G = HQ / H and head width; heads of more than 256 bytes (wider than 128 in 16 bits, than 64 in fp32) halve the
+    tiles and take at most 2 stages, so that they fit in shared memory."""
     width = max(q.shape[-1], v.shape[-1])
     c = dict(CONFIG[launch_entry(name, q.shape[-2] // k.shape[-2], width)])
     M = c.pop("M", 0)
-    if width > 128:
+    if width * q.element_size() > 256:
         M = max(16, M // 2)
         if "BN" in c:
             c["BN"] = max(16, c["BN"] // 2)

@@ -979,10 +979,11 @@ def _sizes(HQ, H, D, DV, sel_block):
     return dict(head_sizes(HQ, H, D, DV), BS=sel_block, BK=min(64, triton.next_power_of_2(sel_block)))
 
 
-def _key_tiles(c, sel_block):
-    """The key-side kernels' sizes (dk/dv, the key-centric forward): BK keys per sub-block (fewer for wide heads, so
-    the K, V and fp32 dk/dv tiles stay in registers) and NKC sub-blocks per selection block."""
-    BK = min(c["BK"], 32 if max(c["D"], c["DV"]) > 128 else 64)
+def _key_tiles(c, sel_block, elem):
+    """The key-side kernels' sizes (dk/dv, the key-centric forward) for inputs of elem bytes: BK keys per sub-block
+    (fewer for rows of more than 256 bytes, so that the K, V and fp32 dk/dv tiles stay in registers and the blocks in
+    shared memory) and NKC sub-blocks per selection block."""
+    BK = min(c["BK"], 32 if max(c["D"], c["DV"]) * elem > 256 else 64)
     return dict(c, BK=BK), triton.cdiv(sel_block, BK)
 
 
@@ -1103,26 +1104,30 @@ def _reverse_index(key, idx, pos, t0, sel_block, NB, chunk):
     return perm.to(perm_dtype), c_begin, c_end, c_key, seg_c0_32, seg_c1_32
 
 
-def _dkv_entry(key_path, G, D, DV):
-    """The CONFIG entry of the dk/dv pass: "dkv" on the query path, on the key path "key_bwd" or the entry for its
-    G and head width (nsa_kernels.launch_entry)."""
-    return launch_entry("key_bwd", G, max(D, DV), CONFIG) if key_path else "dkv"
+def _dkv_cfg(key_path, G, D, DV, elem):
+    """The dk/dv pass's launch settings for inputs of elem bytes: CONFIG["dkv"] on the query path, on the key path
+    "key_bwd" or the entry for its G and head width (nsa_kernels.launch_entry); fp32 heads wider than 64 in tiles of
+    at most 64 rows in 4 warps (128 rows do not fit in a block's shared memory)."""
+    cfg = dict(CONFIG[launch_entry("key_bwd", G, max(D, DV), CONFIG) if key_path else "dkv"])
+    if elem > 2 and max(D, DV) > 64:
+        cfg.update(rows=min(cfg["rows"], 64), num_warps=min(cfg["num_warps"], 4))
+    return cfg
 
 
-def _plan(NT, HQ, H, NS, D, DV, sel_block):
-    """How a call of these sizes runs: whether it takes the key path; the tokens W of each window of its dk/dv pass
-    (and of the key path's forward), so that a window holds at most KEY_WINDOW_ROWS per-pair partial rows (one window
-    on the query path, which has none); the partial rows of a full window; and the reverse index's chunk (pairs per
-    chunk: about chunk_rows query rows of the dk/dv pass's CONFIG entry, fewer on the query path where pairs are
-    few; in whole tiles)."""
+def _plan(NT, HQ, H, NS, D, DV, sel_block, elem):
+    """How a call of these sizes (inputs of elem bytes) runs: whether it takes the key path; the tokens W of each
+    window of its dk/dv pass (and of the key path's forward), so that a window holds at most KEY_WINDOW_ROWS per-pair
+    partial rows (one window on the query path, which has none); the partial rows of a full window; and the reverse
+    index's chunk (pairs per chunk: about chunk_rows query rows of the dk/dv pass's CONFIG entry, fewer on the query
+    path where pairs are few; in whole tiles)."""
     c = _sizes(HQ, H, D, DV, sel_block)
     key_path = _key_path(c["G"])
-    cfg = CONFIG[_dkv_entry(key_path, c["G"], D, DV)]
+    cfg = _dkv_cfg(key_path, c["G"], D, DV, elem)
     if not key_path:  # fewer pairs: shorter chunks (down to a quarter), so that the dk/dv grid still fills the GPU
         rows = min(cfg["chunk_rows"], max(cfg["chunk_rows"] // 4, triton.next_power_of_2(NT * HQ * NS // DKV_CHUNKS)))
         return False, max(NT, 1), 0, _chunk_pairs(cfg["rows"], rows, c["G"])
     chunk = _chunk_pairs(cfg["rows"], cfg["chunk_rows"], c["G"])
-    rows_per_token = HQ * NS * _key_tiles(c, sel_block)[1]
+    rows_per_token = HQ * NS * _key_tiles(c, sel_block, elem)[1]
     W = max(1, KEY_WINDOW_ROWS // max(1, rows_per_token))
     return True, W, min(W, NT) * rows_per_token, chunk
 
@@ -1181,7 +1186,7 @@ def _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_l
     sub-block), then the merge (which applies the gate gf, (NT, HQ) fp32 or None)."""
     NT, HQ, DV = qf.shape[0], qf.shape[1], vf.shape[2]
     cfg = dict(CONFIG[launch_entry("key_fwd", c["G"], max(kf.shape[2], DV), CONFIG)])
-    c, NKC = _key_tiles(c, c["BS"])
+    c, NKC = _key_tiles(c, c["BS"], qf.element_size())
     M = tile_m(cfg.pop("rows"), c["G"])
     o_part = torch.empty(rows, DV, device=qf.device, dtype=qf.dtype)           # lse and the merge: fp32
     lse_part = torch.empty(rows, device=qf.device, dtype=torch.float32)
@@ -1204,7 +1209,7 @@ def _prepare(q, k, v, block_indices, sel_block, cu_seqlens, index):
     B, T, HQ, D = q.shape
     H, NS, DV = k.shape[2], block_indices.shape[3], v.shape[3]
     c = _sizes(HQ, H, D, DV, sel_block)
-    key_path, W, rows, chunk = _plan(B * T, HQ, H, NS, D, DV, sel_block)
+    key_path, W, rows, chunk = _plan(B * T, HQ, H, NS, D, DV, sel_block, q.element_size())
     windows = _windows(B * T, W)
     per_window = _window_index(index, windows, H, NS)
     if per_window is None:
@@ -1265,7 +1270,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
     delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)    # dgate too, with a gate
     lse2 = torch.empty_like(delta)                                        # lse as the kernels below read it
     dq = torch.empty_like(qf)
-    c_kv, NKC = _key_tiles(c, sel_block)
+    c_kv, NKC = _key_tiles(c, sel_block, q.element_size())
     BSP = NKC * c_kv["BK"]
     ds = None  # the query path's score gradients, a row of BSP per (token, kv head, slot, head), where they fit
     if not key_path and NT * HQ * NS * BSP * q.element_size() <= DS_MAX_BYTES:
@@ -1281,7 +1286,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
                                      lst, cnt, scale_log2, scale, NT, NS=NS, BNS=triton.next_power_of_2(NS),
                                      BOXES=boxes, GATED=gf is not None, **c, **kw)
     lse = lse2
-    cfg = dict(CONFIG[_dkv_entry(key_path, c["G"], D, DV)])
+    cfg = _dkv_cfg(key_path, c["G"], D, DV, q.element_size())
     cfg.pop("chunk_rows")                                                      # in the index
     M = tile_m(cfg.pop("rows"), c["G"])
     dq_part = torch.empty(rows, D, device=q.device, dtype=q.dtype) if key_path else None
@@ -1354,7 +1359,8 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
         raise ValueError(f"cu_seqlens must be int32 (N + 1,) with B == 1, got {cu_seqlens.dtype} "
                          f"{tuple(cu_seqlens.shape)} with B={B}")
     scale = D ** -0.5 if scale is None else float(scale)
-    _, window, _, chunk = _plan(B * T, HQ, k.shape[2], block_indices.shape[3], D, v.shape[3], int(sel_block))
+    _, window, _, chunk = _plan(B * T, HQ, k.shape[2], block_indices.shape[3], D, v.shape[3], int(sel_block),
+                                q.element_size())
     G = HQ // k.shape[2]
     M, union, _ = _query_launch("fwd", G, T, max(D, v.shape[3]))         # its union tiles are built once too
     index = sel_index(block_indices, int(sel_block), cu_seqlens, window, chunk, M // G if union else 0)

@@ -1,6 +1,11 @@
 """Tests of nsa_kernels.py (compressed attention, block selection, sliding window) against the PyTorch reference in
 nsa_attention.py (backend="torch"). On CPU the kernels run in the Triton interpreter (fp32 / fp16: bf16 dots are wrong
-there); tests marked gpu run bf16 on CUDA against an fp32 reference, plus the module under torch.compile."""
+there); tests marked gpu run bf16 on CUDA against an fp32 reference, plus the module under torch.compile. Every kernel
+of both kernel files is also compiled for a Hopper GPU on the CPU (tests/compile_hopper.py)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -424,6 +429,19 @@ def test_decode_empty_batch():
     assert o.shape == na.decode_attention(q, c, pos, gate, cfg).shape == (0, 4, 16)
 
 
+@pytest.mark.slow
+def test_every_kernel_compiles_for_hopper():
+    """Every kernel of nsa_kernels.py and sel_kernel.py compiles for sm_90, as the layer (forward, backward, decode)
+    launches them at G = 1..32, heads of 64..256, fp16 / bf16 / fp32 and var-length, within a Hopper block's shared
+    memory. In its own process (tests/compile_hopper.py), where Triton compiles instead of interpreting: the
+    interpreter skips code that only a compile reads (after a `return` inside a constexpr `if`, say)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "compile_hopper.py")
+    run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "_select_kernel" in run.stdout and "_ws_range_kernel" in run.stdout and "QB=-1" in run.stdout
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the module: the Triton path (both kernel files) against backend="torch", and torch.compile(fullgraph=True)
 
@@ -485,6 +503,22 @@ def test_compressed_and_window_gpu(G, D, few, monkeypatch):
     check(out, ref, 1e-2, CMP_NAMES)
     out, ref = run_win(1, 3000, 2 * G, 2, D, D, 512, torch.bfloat16, device="cuda", seed=G + D)
     check(out, ref, 1e-2, WIN_NAMES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("few", [10 ** 9, 0], ids=["dkv_few", "dkv"])
+@pytest.mark.parametrize("G", [4, 16])
+def test_fp32_gpu(G, few, monkeypatch):
+    """fp32 heads 128 wide (rows of 512 bytes take the halved tiles of 256-wide 16-bit heads, which fit in shared
+    memory) against the reference; wider fp32 heads are a user error."""
+    monkeypatch.setattr(nk, "DKV_FEW_PROGRAMS", few)
+    out, ref = run_cmp(1, 1000, 2 * G, 2, 128, 128, 32, 16, torch.float32, device="cuda", seed=G)
+    check(out, ref, 1e-2, CMP_NAMES)
+    out, ref = run_win(1, 1000, 2 * G, 2, 128, 128, 512, torch.float32, device="cuda", seed=G)
+    check(out, ref, 1e-2, WIN_NAMES)
+    q, k = (torch.randn(1, 64, n, 256, device="cuda") for n in (2 * G, 2))
+    with pytest.raises(ValueError, match="fp32 heads up to 128 wide, got 256"):
+        na.window_attention(q, k, k, 16)
 
 
 @pytest.mark.gpu

@@ -126,7 +126,7 @@ def test_key_path_token_windows_match_reference(path, monkeypatch):
     """More partial rows than KEY_WINDOW_ROWS: the key path runs window by window (7 tokens here, so windows cut the
     sequences; then two sub-blocks per block), and o, every gradient and dgate still match the reference."""
     monkeypatch.setattr(sel_kernel, "KEY_WINDOW_ROWS", 7 * 4 * 3)             # HQ * n = 12 rows per token
-    assert sel_kernel._plan(57, 4, 2, 3, 32, 32, 16)[1:3] == (7, 7 * 4 * 3)
+    assert sel_kernel._plan(57, 4, 2, 3, 32, 32, 16, 2)[1:3] == (7, 7 * 4 * 3)
     assert sel_kernel._windows(57, 7) == [(t, t + 7) for t in range(0, 56, 7)] + [(56, 57)]
     cu = torch.tensor([0, 20, 57], dtype=torch.int32)
     out, ref = run_both(1, 57, 4, 2, 32, 32, 3, 16, torch.float32, seed=40, cu_seqlens=cu, gated=True)
@@ -496,7 +496,7 @@ def test_index_built_once_and_its_fake_matches(path, windows, monkeypatch):
     cu = torch.tensor([0, 17, 40], dtype=torch.int32)
     monkeypatch.setattr(sel_kernel, "KEY_WINDOW_ROWS", HQ * n * -(-T // windows))  # the key path: that many windows
     idx = random_indices(B, T, H, n, l, seed=13, cu_seqlens=cu)
-    plan = sel_kernel._plan(T, HQ, H, n, 32, 32, l)
+    plan = sel_kernel._plan(T, HQ, H, n, 32, 32, l, 2)
     for tile in (4, 0):
         index = sel_kernel._index(idx, l, cu, *plan[1::2], tile)
         fake = sel_kernel._index_fake(idx, l, cu, *plan[1::2], tile)
@@ -570,24 +570,27 @@ def test_auto_union_rule(monkeypatch):
 
 def test_dkv_entry_by_path_and_head_width(monkeypatch):
     """The dk/dv pass's CONFIG entry, which also sets the index's chunks: "dkv" on the query path, on the key path
-    "key_bwd_small_d" for heads up to SMALL_D wide (Dv counts too), else "key_bwd"; the key path's forward likewise."""
-    d, entry, table = nsa_kernels.SMALL_D, nsa_kernels.launch_entry, sel_kernel.CONFIG
+    "key_bwd_small_d" for heads up to SMALL_D wide (Dv counts too), else "key_bwd" (fp32: in 64-row tiles); the key
+    path's forward likewise."""
+    d, entry, table, cfg = nsa_kernels.SMALL_D, nsa_kernels.launch_entry, sel_kernel.CONFIG, sel_kernel._dkv_cfg
     assert entry("key_fwd", 1, d, table) == "key_fwd_small_d" in table
     assert entry("key_fwd", 1, d + 1, table) == "key_fwd"
-    assert sel_kernel._dkv_entry(False, 1, d, d) == "dkv"
-    assert sel_kernel._dkv_entry(True, 1, d, d) == "key_bwd_small_d"
-    assert sel_kernel._dkv_entry(True, 1, d, 2 * d) == sel_kernel._dkv_entry(True, 1, 2 * d, d) == "key_bwd"
+    assert cfg(False, 1, d, d, 2) == table["dkv"]
+    assert cfg(True, 1, d, d, 2) == cfg(True, 1, d, d, 4) == table["key_bwd_small_d"]
+    assert cfg(True, 1, d, 2 * d, 2) == cfg(True, 1, 2 * d, d, 2) == table["key_bwd"]
+    assert cfg(True, 1, 2 * d, d, 4) == dict(table["key_bwd"], rows=64, num_warps=4) != table["key_bwd"]
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "key")
     monkeypatch.setitem(sel_kernel.CONFIG, "key_bwd", dict(sel_kernel.CONFIG["key_bwd"], rows=16, chunk_rows=64))
     monkeypatch.setitem(sel_kernel.CONFIG, "key_bwd_small_d", dict(sel_kernel.CONFIG["key_bwd"], chunk_rows=128))
-    assert sel_kernel._plan(100, 4, 2, 3, d, d, 16)[3] == 64 and sel_kernel._plan(100, 4, 2, 3, 2 * d, d, 16)[3] == 32
+    assert sel_kernel._plan(100, 4, 2, 3, d, d, 16, 2)[3] == 64
+    assert sel_kernel._plan(100, 4, 2, 3, 2 * d, d, 16, 2)[3] == 32
 
 
 def test_query_path_chunks_shrink_for_few_pairs():
     """The query path cuts its reverse index into chunks of "dkv"'s chunk_rows query rows on long inputs; on shorter
     ones into shorter chunks, down to a quarter, so that the dk/dv grid keeps about DKV_CHUNKS programs."""
     rows = sel_kernel.CONFIG["dkv"]["chunk_rows"]
-    chunk_rows = lambda T: sel_kernel._plan(T, 64, 4, 16, 128, 128, 64)[3] * 16   # G = 16: pairs -> query rows
+    chunk_rows = lambda T: sel_kernel._plan(T, 64, 4, 16, 128, 128, 64, 2)[3] * 16   # G = 16: pairs -> query rows
     full = rows * sel_kernel.DKV_CHUNKS // (64 * 16)                                # tokens that fill the grid
     assert chunk_rows(4 * full) == chunk_rows(full) == rows
     assert chunk_rows(full // 2) == rows // 2
@@ -638,7 +641,8 @@ KEY_GPU = [(G, D, DV, torch.bfloat16) for G, D, DV in ((1, 128, 128), (2, 64, 64
                                                         (8, 64, 64), (4, 256, 192), (1, 16, 16))] + \
           [(4, 128, 128, torch.float16)]
 GPU_CASES = [("query", *c) for c in QUERY_GPU] + [("key", *c) for c in KEY_GPU] + \
-            [("auto", 16, 128, 128, torch.bfloat16)]  # "auto"'s union forward at G = 16 on short rows
+            [("auto", 16, 128, 128, torch.bfloat16)] + \
+            [(p, G, 128, 128, torch.float32) for p, G in (("query", 4), ("key", 4), ("auto", 16))]  # tf32 dots
 
 
 @pytest.mark.gpu
