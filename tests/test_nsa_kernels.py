@@ -432,8 +432,8 @@ def test_decode_empty_batch():
 @pytest.mark.slow
 def test_every_kernel_compiles_for_hopper():
     """Every kernel of nsa_kernels.py and sel_kernel.py compiles for sm_90, as the layer (forward, backward, decode)
-    launches them at G = 1..32, heads of 64..256, fp16 / bf16 / fp32 and var-length, within a Hopper block's shared
-    memory. In its own process (tests/compile_hopper.py), where Triton compiles instead of interpreting: the
+    launches them at G = 1, 3, 16, 32, heads of 64..256, fp16 / bf16 / fp32 and var-length, within a Hopper block's
+    shared memory. In its own process (tests/compile_hopper.py), where Triton compiles instead of interpreting: the
     interpreter skips code that only a compile reads (after a `return` inside a constexpr `if`, say)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = os.path.join(os.path.dirname(__file__), "compile_hopper.py")
