@@ -292,24 +292,39 @@ def test_select_blocks_forced_padding_and_own_lse():
     assert (idx[0, :lsel, :, 1:] == -1).all()                                  # one candidate: -1 padded
 
 
+def select_launch(monkeypatch, G, D, l, d, lsel, n, dtype):
+    """The keyword arguments select_op launches _select_kernel with at G query heads per kv head (2 kv heads, 64
+    tokens), recorded instead of run."""
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(nk, "_select_kernel", Spy())
+        q, k = torch.zeros(1, 64, 2 * G, D, dtype=dtype), torch.zeros(1, 3, 2, D, dtype=dtype)
+        nk.select_op(q, k, torch.zeros(1, 64, 2 * G), l, d, lsel, n, 1, 2, 1.0, None, None)
+    kw, = launches
+    return kw
+
+
 @pytest.mark.parametrize("G,keys_major,M", [(1, False, 256), (1, True, 256), (3, False, 256), (3, True, 256),
                                             (8, False, 256), (8, True, 256), (16, False, 256), (16, False, 128),
-                                            (16, True, 256), (20, False, 512), (20, True, 512)])
+                                            (16, True, 256), (20, False, 512)])
 def test_select_blocks_both_layouts(monkeypatch, G, keys_major, M):
     """The score tile as [query rows, keys] and as [keys, query rows] (CONFIG picks one by G), each at small and large
-    G, against the reference (G = 20 takes [query rows, keys] either way: too few tokens per tile). Query rows token
-    major at G = 1 and rows-major G = 3, in _head_rows' order elsewhere: QB = 1, 2 and 4 in 128-row tiles, 2 at
-    rows-major G = 8, 16, 20, and -1 at keys-major G = 3, 8, 16. Var-length and rows of 250 tokens (tiles across two
-    rows), with 30-50 blocks: chunks of 16 that a tile sees whole (no mask); no local blocks forced, so the scores
-    next to a query decide too."""
+    G, against the reference. Query rows token major at G = 1 and rows-major G = 3, in _head_rows' order elsewhere:
+    QB = 1, 2 and 4 in 128-row tiles, 2 at rows-major G = 8, 16, 20, and -1 at keys-major G = 3, 8, 16. Var-length
+    and rows of 250 tokens (tiles across two rows), with 30-50 blocks: chunks of 16 that a tile sees whole (no mask);
+    no local blocks forced, so the scores next to a query decide too."""
     monkeypatch.setattr(nk, "SMALL_G", 0)                                    # every G takes CONFIG["select"]
     monkeypatch.setattr(nk, "LARGE_G", 64)                                   # (not "*_small_g", "*_large_g")
     monkeypatch.setitem(nk.CONFIG, "select", dict(nk.CONFIG["select"], M=M, keys_major=keys_major, tokens=16))
     BG = 1 << (G - 1).bit_length()
-    if keys_major and G < 20:                                                # 16 tokens, 64..256 rows
-        assert nk._head_bits(min(256, max(64, 16 * BG)), BG, True) == (0 if G == 1 else -1)
-    else:
-        assert nk._head_bits(M, BG, False) == {1: 0, 3: 0, 8: 1, 16: 512 // M, 20: 2}[G]
+    kw = select_launch(monkeypatch, G, 32, 8, 4, 8, 4, torch.float32)
+    assert (kw["KEYS_MAJOR"], kw["BT"] * BG) == (keys_major, min(256, max(64, 16 * BG)) if keys_major else M)
+    assert kw["QB"] == ({1: 0, 3: -1, 8: -1, 16: -1} if keys_major else {1: 0, 3: 0, 8: 1, 16: 512 // M, 20: 2})[G]
     for B, T, cu in ((1, 400, torch.tensor([0, 70, 400], dtype=torch.int32)), (2, 250, None)):
         idx, ref = run_sel(B, T, 2 * G, 2, 32, 8, 4, 8, 4, 1, 0, seed=G, cu=cu)
         assert torch.equal(idx, ref), f"{(idx != ref).any(-1).sum().item()} of {idx[..., 0].numel()} rows differ"
@@ -325,18 +340,18 @@ def test_select_launch_fits_shared_memory(monkeypatch, G, D, lsel, n, dtype, tok
     """The select launch's Q tile and key chunks stay within SELECT_SMEM (GPU tests run these shapes): the paper's
     shape as CONFIG has it at G = 16 and 32; wider chunks (l' / d = 8, n = 32, both) and fp32 take fewer stages, then
     fewer tokens."""
-    launches = []
-
-    class Spy:                                            # records the launch instead of running the kernel
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append(kw)
-
-    monkeypatch.setattr(nk, "_select_kernel", Spy())
-    q, k = torch.zeros(1, 64, 2 * G, D, dtype=dtype), torch.zeros(1, 3, 2, D, dtype=dtype)
-    nk.select_op(q, k, torch.zeros(1, 64, 2 * G), 32, 16, lsel, n, 1, 2, 1.0, None, None)
-    kw, = launches
+    kw = select_launch(monkeypatch, G, D, 32, 16, lsel, n, dtype)
     assert (kw["BT"], kw["num_stages"]) == (tokens, stages)
-    assert (kw["BT"] * kw["BG"] + kw["num_stages"] * kw["BKC"]) * kw["BD"] * q.element_size() <= nk.SELECT_SMEM
+    assert (kw["BT"] * kw["BG"] + kw["num_stages"] * kw["BKC"]) * kw["BD"] * dtype.itemsize <= nk.SELECT_SMEM
+
+
+def test_select_keys_major_up_to_16_heads(monkeypatch):
+    """Keys-major tiles hold at least 16 tokens (Eq. 9's dot) in at most 256 rows: a group of more than 16 heads
+    (padded) takes rows-major tiles where CONFIG asks for keys major."""
+    for entry in ("select", "select_large_g"):
+        monkeypatch.setitem(nk.CONFIG, entry, dict(nk.CONFIG["select_small_g"]))
+    assert [select_launch(monkeypatch, G, 32, 8, 4, 8, 4, torch.float32)["KEYS_MAJOR"] for G in (4, 16, 17, 32)] == \
+        [True, True, False, False]
 
 
 def test_select_blocks_varlen():
