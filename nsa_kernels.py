@@ -1019,12 +1019,16 @@ def _head_rows(M: tl.constexpr, BG: tl.constexpr, QB: tl.constexpr):
 
 
 @triton.jit
-def _head_sum(b_p, M: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, BKC: tl.constexpr, QB: tl.constexpr):
-    """Eq. 10: [M, BKC] scores -> [BT, BKC] (keys major, QB = -1: [BKC, M] -> [BKC, BT]), the sum of each token's
-    rows as _head_rows orders them."""
-    if QB == -1:
-        b_p = tl.reshape(b_p, [BKC, M // (4 * BG), BG // 2, 4, 2])  # [keys, t // 4, j % (BG / 2), r, e]
-        b_pg = tl.reshape(tl.sum(tl.sum(b_p, 4), 2), [BKC, BT])
+def _head_sum(b_p, M: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, BKC: tl.constexpr, QB: tl.constexpr,
+              KEYS_MAJOR: tl.constexpr):
+    """Eq. 10: [M, BKC] scores -> [BT, BKC] (keys major: [BKC, M] -> [BKC, BT]), the sum of each token's rows as
+    _head_rows orders them."""
+    if KEYS_MAJOR:
+        if QB == -1:
+            b_p = tl.reshape(b_p, [BKC, M // (4 * BG), BG // 2, 4, 2])  # [keys, t // 4, j % (BG / 2), r, e]
+            b_pg = tl.reshape(tl.sum(tl.sum(b_p, 4), 2), [BKC, BT])
+        else:
+            b_pg = tl.sum(tl.reshape(b_p, [BKC, BT, BG]), 2)
     elif QB == 0:
         b_pg = tl.sum(tl.reshape(b_p, [BT, BG, BKC]), 1)
     else:
@@ -1099,10 +1103,7 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
                 if not seen:
                     vis = m_c[:, None] & (ic[:, None] * DS + L - 1 <= pos_r[None, :])
                     b_p = tl.where(vis, b_p, 0.)
-                if QB == -1:
-                    b_pg = _head_sum(b_p, M, BT, BG, BKC, QB)                             # [BKC, BT] Eq. 10
-                else:
-                    b_pg = tl.sum(tl.reshape(b_p, [BKC, BT, BG]), 2)
+                b_pg = _head_sum(b_p, M, BT, BG, BKC, QB, KEYS_MAJOR)                     # [BKC, BT] Eq. 10
                 b_sc = tl.trans(tl.dot(w, b_pg, input_precision="tf32x3"))                # [BT, NP]
                 spill = tl.sum(b_pg * spill_w[:, None], 0)
             else:
@@ -1111,7 +1112,7 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
                 if not seen:
                     vis = m_c[None, :] & (ic[None, :] * DS + L - 1 <= pos_r[:, None])
                     b_p = tl.where(vis, b_p, 0.)
-                b_pg = _head_sum(b_p, M, BT, BG, BKC, QB)                                 # [BT, BKC] Eq. 10
+                b_pg = _head_sum(b_p, M, BT, BG, BKC, QB, KEYS_MAJOR)                     # [BT, BKC] Eq. 10
                 if BT >= 16:
                     b_sc = tl.dot(b_pg, w, input_precision="ieee")                        # [BT, NP]
                 else:
@@ -1374,14 +1375,19 @@ def launch_entry(name, G, width, table=None):
     return name
 
 
+def wide_rows(width, elem):
+    """Whether heads `width` wide of elem-byte values take halved tiles (so that they fit in shared memory): rows of
+    more than 256 bytes, i.e. wider than 128 in 16 bits, than 64 in fp32."""
+    return width * elem > 256
+
+
 def _launch_cfg(name, q, k, v):
     """(M, launch kwargs) for a kernel on q (..., HQ, D), k (..., H, D), v (..., H, Dv): the CONFIG entry of its
-    G = HQ / H and head width; heads of more than 256 bytes (wider than 128 in 16 bits, than 64 in fp32) halve the
-    tiles and take at most 2 stages, so that they fit in shared memory."""
+    G = HQ / H and head width; wide rows (wide_rows) halve the tiles and take at most 2 stages."""
     width = max(q.shape[-1], v.shape[-1])
     c = dict(CONFIG[launch_entry(name, q.shape[-2] // k.shape[-2], width)])
     M = c.pop("M", 0)
-    if width * q.element_size() > 256:
+    if wide_rows(width, q.element_size()):
         M = max(16, M // 2)
         if "BN" in c:
             c["BN"] = max(16, c["BN"] // 2)

@@ -13,7 +13,7 @@ import triton.language as tl
 import nsa_kernels
 from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse, gate_out, group_rows, head_sizes,
                          key_rows, key_tile, launch_entry, load_rows, pack, pack_gate, sequences, softmax_finish,
-                         softmax_rescale, softmax_step, sort_rows, store_rows, tile_m, tile_rows, tma_boxes)
+                         softmax_rescale, softmax_step, sort_rows, store_rows, tile_m, tile_rows, tma_boxes, wide_rows)
 from nsa_kernels import (_ws_barriers, _ws_desc, _ws_fwd_finish, _ws_load_rows, _ws_mma, fence_async_shared,
                          gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)  # the warp-specialised pieces
 
@@ -981,9 +981,9 @@ def _sizes(HQ, H, D, DV, sel_block):
 
 def _key_tiles(c, sel_block, elem):
     """The key-side kernels' sizes (dk/dv, the key-centric forward) for inputs of elem bytes: BK keys per sub-block
-    (fewer for rows of more than 256 bytes, so that the K, V and fp32 dk/dv tiles stay in registers and the blocks in
-    shared memory) and NKC sub-blocks per selection block."""
-    BK = min(c["BK"], 32 if max(c["D"], c["DV"]) * elem > 256 else 64)
+    (fewer for wide rows, so that the K, V and fp32 dk/dv tiles stay in registers and the blocks in shared memory)
+    and NKC sub-blocks per selection block."""
+    BK = min(c["BK"], 32 if wide_rows(max(c["D"], c["DV"]), elem) else 64)
     return dict(c, BK=BK), triton.cdiv(sel_block, BK)
 
 
@@ -1109,7 +1109,7 @@ def _dkv_cfg(key_path, G, D, DV, elem):
     "key_bwd" or the entry for its G and head width (nsa_kernels.launch_entry); fp32 heads wider than 64 in tiles of
     at most 64 rows in 4 warps (128 rows do not fit in a block's shared memory)."""
     cfg = dict(CONFIG[launch_entry("key_bwd", G, max(D, DV), CONFIG) if key_path else "dkv"])
-    if elem > 2 and max(D, DV) > 64:
+    if elem > 2 and wide_rows(max(D, DV), elem):
         cfg.update(rows=min(cfg["rows"], 64), num_warps=min(cfg["num_warps"], 4))
     return cfg
 
