@@ -405,9 +405,9 @@ def _checked(q, k, v, names, scale, cu_seqlens, cu_seqlens_cmp=None, block_indic
     return (q.shape[-1] ** -0.5 if scale is None else scale), cu_seqlens_cmp
 
 
-def _kernel(backend, x, name):
-    """The Triton function `name` if this call should use it, else None (run the reference).
-    auto: the kernel on CUDA; triton: the kernel or an error; torch: the reference."""
+def _kernel(backend, x, name, v=None):
+    """The Triton function `name` if this call should use it on queries x (and values v), else None (run the
+    reference). auto: the kernel on CUDA; triton: the kernel or an error; torch: the reference."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch" or (backend == "auto" and not x.is_cuda):
@@ -416,8 +416,9 @@ def _kernel(backend, x, name):
     if fn is None and backend == "triton":
         raise ValueError(f"backend='triton' needs {name} from sel_kernel.py / nsa_kernels.py "
                          f"({KERNEL_IMPORT_ERROR or 'not defined'}); use backend='torch'")
-    if x.is_cuda and x.dtype == torch.float32 and x.shape[-1] > 128:  # their tiles outgrow a block's shared memory
-        raise ValueError(f"the Triton kernels take fp32 heads up to 128 wide, got {x.shape[-1]}: use bfloat16 or "
+    width = max(x.shape[-1], 0 if v is None else v.shape[-1])  # the kernels size their tiles by max(D, Dv)
+    if x.is_cuda and x.dtype == torch.float32 and width > 128:  # their tiles outgrow a block's shared memory
+        raise ValueError(f"the Triton kernels take fp32 heads up to 128 wide, got {width}: use bfloat16 or "
                          f"float16, or backend='torch'")
     return fn
 
@@ -475,7 +476,7 @@ def compressed_attention(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale=None, cu_
     that sees no block). lse carries no gradient."""
     scale, cu_seqlens_cmp = _checked(q, k_cmp, v_cmp, ("q", "k_cmp", "v_cmp"), scale, cu_seqlens, cu_seqlens_cmp,
                                      gate=gate, cmp_block=cmp_block, cmp_stride=cmp_stride)
-    if kernel := _kernel(backend, q, "compressed_attention_triton"):
+    if kernel := _kernel(backend, q, "compressed_attention_triton", v_cmp):
         return kernel(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, cu_seqlens, cu_seqlens_cmp, gate)
     o, lse = _reference(compressed_branch, (q,), (k_cmp, v_cmp), cu_seqlens, cu_seqlens_cmp, cmp_block, cmp_stride,
                         scale)
@@ -505,7 +506,7 @@ def selection_attention(q, k, v, block_indices, sel_block, scale=None, cu_seqlen
     (B, T, HQ, Dv) in q's dtype."""
     scale, _ = _checked(q, k, v, ("q", "k", "v"), scale, cu_seqlens, block_indices=block_indices, gate=gate,
                         sel_block=sel_block)
-    if kernel := _kernel(backend, q, "selection_attention_triton"):
+    if kernel := _kernel(backend, q, "selection_attention_triton", v):
         return kernel(q, k, v, block_indices, sel_block, scale, cu_seqlens, gate)
     return gated(_reference(selected_branch, (q, block_indices), (k, v), cu_seqlens, cu_seqlens, sel_block, scale),
                  gate, q.dtype)
@@ -516,7 +517,7 @@ def window_attention(q, k, v, window, scale=None, cu_seqlens=None, backend="auto
     q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv); gate (B, T, HQ) or None scales o per row. Returns o
     (B, T, HQ, Dv) in q's dtype."""
     scale, _ = _checked(q, k, v, ("q", "k", "v"), scale, cu_seqlens, gate=gate, window=window)
-    if kernel := _kernel(backend, q, "window_attention_triton"):
+    if kernel := _kernel(backend, q, "window_attention_triton", v):
         return kernel(q, k, v, window, scale, cu_seqlens, gate)
     return gated(_reference(window_branch, (q,), (k, v), cu_seqlens, cu_seqlens, window, scale), gate, q.dtype)
 

@@ -537,6 +537,8 @@ def test_fp32_gpu(G, few, monkeypatch):
     q, k = (torch.randn(1, 64, n, 256, device="cuda") for n in (2 * G, 2))
     with pytest.raises(ValueError, match="fp32 heads up to 128 wide, got 256"):
         na.window_attention(q, k, k, 16)
+    with pytest.raises(ValueError, match="fp32 heads up to 128 wide, got 256"):       # values count too
+        na.window_attention(q[..., :128], k[..., :128], k, 16)
 
 
 @pytest.mark.gpu

@@ -568,7 +568,7 @@ def test_auto_union_rule(monkeypatch):
     assert len(built) == 1
 
 
-def test_dkv_entry_by_path_and_head_width(monkeypatch):
+def test_dkv_cfg_by_path_head_width_and_dtype(monkeypatch):
     """The dk/dv pass's CONFIG entry, which also sets the index's chunks: "dkv" on the query path, on the key path
     "key_bwd_small_d" for heads up to SMALL_D wide (Dv counts too), else "key_bwd" (fp32: in 64-row tiles); the key
     path's forward likewise."""
