@@ -735,10 +735,10 @@ def layer_sweep(trained):
             entry["dkv"]: [dict(M=m, BN=n, num_warps=w, num_stages=s) for m, n, w, s in
                            ((64, 128, 8, 2), (64, 64, 8, 2), (32, 128, 4, 2), (64, 128, 4, 3), (128, 64, 8, 2),
                             (64, 64, 4, 3), (64, 32, 4, 2))],
-            entry["select"]: [dict(keys_major=False, M=m, num_warps=w, num_stages=s) for m, w, s in
-                              ((256, 4, 2), (512, 16, 3), (512, 16, 2), (256, 8, 2), (128, 8, 2), (128, 4, 2))] +
-                             [dict(keys_major=True, tokens=t, num_warps=w, num_stages=s) for t, w, s in
-                              ((16, 4, 2), (32, 4, 2), (64, 4, 2), (32, 4, 3), (32, 8, 2))]}
+            entry["select"]: [dict(M=m, tokens=0, num_warps=w, num_stages=s) for m, w, s in
+                              ((256, 4, 2), (256, 4, 3), (128, 4, 2), (128, 4, 3), (64, 4, 3), (512, 16, 3))] +
+                             [dict(tokens=t, num_warps=4, num_stages=s) for t, s in
+                              ((32, 3), (32, 2), (16, 3), (64, 3))]}
     sweep_configs(f"layer sweep T={T} HQ={hq}: ms of each op under each config of one kernel", nsa_kernels.CONFIG,
                   grid, ops)
 

@@ -16,11 +16,11 @@ public functions at the bottom; test_nsa_kernels.py and test_decode.py check the
 # Block selection (Eq. 8-10) streams the compressed keys again with the compressed branch's lse: per chunk of NP
 # selection blocks (causally masked only where a token of the tile does not see the whole chunk) it computes p_cmp
 # [BT*BG, BKC] (heads padded to BG, rows in the order _head_rows gives, so that each thread sums its token's heads
-# mostly by itself; at small G as [BKC, BT*BG], keys on the rows, which makes Eq. 9 a dot of [NP, BKC] weights, the
-# query columns in _head_rows' order too), sums the group's heads (Eq. 10), maps compressed to selection blocks
-# with the overlap weights (Eq. 9; a carry holds the part of the last compressed blocks that spills into the next
-# chunk), packs (score bits, -j) into one int64 and merges it into a running sorted top-NP list (bitonic merge: the
-# top-NP of two sorted lists is max(a_desc, b_asc)). Only the (B, T, H, n) int32 indices are written.
+# mostly by itself), sums the group's heads (Eq. 10), maps compressed to selection blocks with the overlap weights
+# (Eq. 9: two weighted sums over each selection block's columns; a carry holds the part of the last compressed blocks
+# that spills into the next chunk), packs (score bits, -j) into one int64 and merges it into a running sorted top-NP
+# list (bitonic merge: the top-NP of two sorted lists is max(a_desc, b_asc)). Only the (B, T, H, n) int32 indices are
+# written.
 #
 # Decode: one query token per row over nsa_attention.nsa_cache in four launches (see "decode kernels" below).
 # The file reads: shared pieces -> range attention kernels -> their Hopper versions (Gluon) -> selection kernel ->
@@ -47,10 +47,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 # wide the "*_small_d" ones (Track B's shape: D = 64; launch_entry); in the forward's and dq's, maxnreg (Triton's cap
 # on registers per thread) fits four blocks per multiprocessor instead of three without spilling (it spills at
 # D = 128).
-# keys_major ("select") holds the scores as [compressed keys, query rows]: faster at G = 1..4 (sized there by tokens
-# per program), slower at G = 16; there 256 rows (G = 16: 16 tokens) share each compressed key tile, in 4 warps
-# (picked on one H200, where it beat the H100 sweep's 512 rows in 16 warps: RESULTS has both), and above LARGE_G
-# 512 rows in 16 warps (8 tokens a tile spill).
+# "select": 256 rows (G = 16: 16 tokens) share each compressed key tile, in 4 warps, at every G from 8; below, 32
+# tokens a tile, at least 64 rows (picked on one H200 by a sweep of rows and stages at T = 16k and 64k, G = 1..32:
+# RESULTS, "Block selection's Eq. 9 as sums, and one tile layout at every G").
 CONFIG = {
     "fwd": dict(M=128, BN=64, num_warps=4, num_stages=2),
     "fwd_small_g": dict(M=64, BN=64, num_warps=4, num_stages=2),
@@ -60,12 +59,10 @@ CONFIG = {
     "dkv": dict(M=64, BN=64, num_warps=4, num_stages=2),
     "dkv_few": dict(M=128, BN=64, num_warps=8, num_stages=2),  # "dkv" on grids below DKV_FEW_PROGRAMS programs
     "dkv_small_d": dict(M=64, BN=64, num_warps=4, num_stages=3),
-    "select": dict(M=256, keys_major=False, num_warps=4, num_stages=2),
-    "select_small_g": dict(tokens=32, keys_major=True, num_warps=4, num_stages=3),  # tokens per program, >= 64 rows
-    "select_large_g": dict(M=512, keys_major=False, num_warps=16, num_stages=3),
+    "select": dict(M=256, num_warps=4, num_stages=2),
+    "select_small_g": dict(tokens=32, num_warps=4, num_stages=3),  # tokens per program, >= 64 rows
 }
 SMALL_G = 8
-LARGE_G = 16
 SELECT_SMEM = 176 * 1024  # "select": bytes of its Q tile and key chunks at most (a Hopper block has 227 KiB of shared
 #                           memory; the kernel's reductions took up to 32 KiB more in the shapes that failed)
 SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entries, here and in sel_kernel.py
@@ -1004,14 +1001,10 @@ def _head_rows(M: tl.constexpr, BG: tl.constexpr, QB: tl.constexpr):
     major, heads minor. QB > 0 orders them for a Hopper wgmma accumulator, whose threads each hold rows
     64 s + 16 w + 8 h + q for every s and h (w: the thread's warp, q: its lane // 4): a token's BG heads take all
     (s, h) and QB of the q, so that their sum (_head_sum) is adds inside the thread and log2(QB) shuffle levels, where
-    token major rows take up to three. QB = -1 does the same for a keys-major [keys, M] tile, whose query rows are
-    the accumulator's columns, 8 j + 2 r + e for every j and e (r: lane % 4): a token's heads take e and BG / 2 of
-    the j, all in one thread. Any order gives the same sums; only the speed depends on the layout."""
+    token major rows take up to three. Any order gives the same sums; only the speed depends on the layout."""
     o_m = tl.arange(0, M)
     if QB == 0:
         t_m, g_r = o_m // BG, o_m % BG
-    elif QB == -1:
-        t_m, g_r = o_m // (4 * BG) * 4 + (o_m // 2) % 4, (o_m // 8) % (BG // 2) * 2 + o_m % 2
     else:
         q = o_m % 8
         t_m, g_r = (o_m // 16) % 4 * (8 // QB) + q // QB, ((o_m // 64) * 2 + (o_m // 8) % 2) * QB + q % QB
@@ -1019,17 +1012,9 @@ def _head_rows(M: tl.constexpr, BG: tl.constexpr, QB: tl.constexpr):
 
 
 @triton.jit
-def _head_sum(b_p, M: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, BKC: tl.constexpr, QB: tl.constexpr,
-              KEYS_MAJOR: tl.constexpr):
-    """Eq. 10: [M, BKC] scores -> [BT, BKC] (keys major: [BKC, M] -> [BKC, BT]), the sum of each token's rows as
-    _head_rows orders them."""
-    if KEYS_MAJOR:
-        if QB == -1:
-            b_p = tl.reshape(b_p, [BKC, M // (4 * BG), BG // 2, 4, 2])  # [keys, t // 4, j % (BG / 2), r, e]
-            b_pg = tl.reshape(tl.sum(tl.sum(b_p, 4), 2), [BKC, BT])
-        else:
-            b_pg = tl.sum(tl.reshape(b_p, [BKC, BT, BG]), 2)
-    elif QB == 0:
+def _head_sum(b_p, M: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, BKC: tl.constexpr, QB: tl.constexpr):
+    """Eq. 10: [M, BKC] scores -> [BT, BKC], the sum of each token's rows as _head_rows orders them."""
+    if QB == 0:
         b_pg = tl.sum(tl.reshape(b_p, [BT, BG, BKC]), 1)
     else:
         b_p = tl.reshape(b_p, [M // 64, 4, 2, 8 // QB, QB, BKC])    # [s, w, h, q // QB, q % QB, keys]
@@ -1038,17 +1023,31 @@ def _head_sum(b_p, M: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr, BKC: tl.
 
 
 @triton.jit
+def _block_scores(b_pg, carry, w_own, w_next, BT: tl.constexpr, NP: tl.constexpr, CPP: tl.constexpr):
+    """Eq. 9 over one chunk of NP selection blocks, CPP columns each: b_pg [BT, NP * CPP] -> [BT, NP] block scores.
+    Block j gets its own columns weighted by w_own and block j - 1's by w_next (block 0 the previous chunk's last:
+    carry [BT]). Returns the scores and this chunk's carry."""
+    o_j = tl.arange(0, NP)
+    own = tl.sum(tl.reshape(b_pg * w_own[None, :], [BT, NP, CPP]), 2)                    # [BT, NP]
+    spill = tl.sum(tl.reshape(b_pg * w_next[None, :], [BT, NP, CPP]), 2)
+    prev = tl.gather(spill, tl.broadcast_to(tl.maximum(o_j - 1, 0)[None, :], [BT, NP]), 1)
+    b_sc = own + tl.where(o_j[None, :] == 0, carry[:, None], prev)
+    return b_sc, tl.sum(tl.where(o_j[None, :] == NP - 1, spill, 0.), 1)
+
+
+@triton.jit
 def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.constexpr, SEQ_T, SEQ_TK,
                    H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr,
                    D: tl.constexpr, BD: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LS: tl.constexpr,
                    NS: tl.constexpr, NP: tl.constexpr, BKC: tl.constexpr, N_INIT: tl.constexpr,
-                   N_LOCAL: tl.constexpr, LOG_NP: tl.constexpr, N_DIMS: tl.constexpr, KEYS_MAJOR: tl.constexpr,
-                   QB: tl.constexpr):
+                   N_LOCAL: tl.constexpr, LOG_NP: tl.constexpr, N_DIMS: tl.constexpr, QB: tl.constexpr):
     # later tokens score more chunks: the last tiles launch first, so the short ones fill the end of the grid
     i_t, i_h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
     M: tl.constexpr = BT * BG
     CPS: tl.constexpr = LS // DS                          # compressed blocks starting in one selection block
+    CPP: tl.constexpr = BKC // NP                         # a chunk's columns per selection block (CPS, padded)
     o_b, o_c, o_j = tl.arange(0, BT), tl.arange(0, BKC), tl.arange(0, NP)
+    o_cb, o_cc = o_c // CPP, o_c % CPP                    # [BKC] each column's selection block, block in it
     t_m, g_r = _head_rows(M, BG, QB)                      # [M] each row's token in the tile, head (padded to BG)
     t_r = i_t * BT + t_m
     m_r, t_off, hq_r = tile_rows(t_r, g_r, t_r < NT, i_h, H, G)
@@ -1069,13 +1068,10 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
     b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                                          # [M, BD]
     b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.) * 1.4426950408889634          # [M] base 2
     tb = pos_b // LS                                                                      # [BT] own block
-    # Eq. 9's weights of a chunk's compressed blocks (starts o_c * DS) in its NP selection blocks (starts o_j * LS)
-    # and in the next chunk's first block: the same for every chunk, whose starts all move by j0 * LS
-    if KEYS_MAJOR:
-        w = _overlap(o_c[None, :] * DS, o_j[:, None] * LS, L, LS, DS)                     # [NP, BKC]
-    else:
-        w = _overlap(o_c[:, None] * DS, o_j[None, :] * LS, L, LS, DS)                     # [BKC, NP]
-    spill_w = _overlap(o_c * DS, NP * LS, L, LS, DS)                                      # [BKC]
+    # Eq. 9: the compressed block of column c starts o_cc * DS into selection block o_cb and, as l <= l', overlaps
+    # only that block and the next; a chunk's block scores are the two weighted sums over each block's columns
+    w_own = tl.where(o_cc < CPS, _overlap(o_cc * DS, 0, L, LS, DS), 0.)                  # [BKC]
+    w_next = tl.where(o_cc < CPS, _overlap(o_cc * DS, LS, L, LS, DS), 0.)
     top = tl.full([BT, NP], -1, tl.int64)                 # running top-NP keys, sorted descending
     for s in range(s_first, s_last + 1):                  # a tile may straddle packed sequences
         if VARLEN:
@@ -1090,36 +1086,20 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
         carry = tl.zeros([BT], tl.float32)                # weight spilling into the next chunk's first block
         pos_min = tl.min(tl.where(m_bs, pos_b, INT_MAX), 0)                               # the tile's first token
         for j0 in range(0, tl.max(tl.where(m_bs, tb + 1, 0), 0), NP):
-            ic = j0 * CPS + o_c                                                           # [BKC] relative ids
-            m_c = (o_c < NP * CPS) & (ic < n_c)
+            ic = (j0 + o_cb) * CPS + o_cc                                                 # [BKC] relative ids
+            m_c = (o_cc < CPS) & (ic < n_c)
             # no mask where each token of sequence s sees every key of the chunk: only its last chunks need one
             c_end = (j0 + NP) * CPS
-            seen = (BKC == NP * CPS) & (c_end <= n_c) & ((c_end - 1) * DS + L - 1 <= pos_min)
+            seen = (CPP == CPS) & (c_end <= n_c) & ((c_end - 1) * DS + L - 1 <= pos_min)
             k_off = (c_bos + ic).to(tl.int64) * H + i_h
             b_k = load_rows(k, k_off, m_c, D, BD)                                         # [BKC, BD]
-            if KEYS_MAJOR:                                # compressed keys on the score tile's rows
-                b_s = tl.dot(b_k, tl.trans(b_q)) * scale_log2                             # [BKC, M]
-                b_p = tl.exp2(b_s - lse_s[None, :])                                       # Eq. 8
-                if not seen:
-                    vis = m_c[:, None] & (ic[:, None] * DS + L - 1 <= pos_r[None, :])
-                    b_p = tl.where(vis, b_p, 0.)
-                b_pg = _head_sum(b_p, M, BT, BG, BKC, QB, KEYS_MAJOR)                     # [BKC, BT] Eq. 10
-                b_sc = tl.trans(tl.dot(w, b_pg, input_precision="tf32x3"))                # [BT, NP]
-                spill = tl.sum(b_pg * spill_w[:, None], 0)
-            else:
-                b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                             # [M, BKC]
-                b_p = tl.exp2(b_s - lse_s[:, None])                                       # Eq. 8
-                if not seen:
-                    vis = m_c[None, :] & (ic[None, :] * DS + L - 1 <= pos_r[:, None])
-                    b_p = tl.where(vis, b_p, 0.)
-                b_pg = _head_sum(b_p, M, BT, BG, BKC, QB, KEYS_MAJOR)                     # [BT, BKC] Eq. 10
-                if BT >= 16:
-                    b_sc = tl.dot(b_pg, w, input_precision="ieee")                        # [BT, NP]
-                else:
-                    b_sc = tl.sum(b_pg[:, :, None] * w[None, :, :], 1)
-                spill = tl.sum(b_pg * spill_w[None, :], 1)
-            b_sc = tl.where(o_j[None, :] == 0, b_sc + carry[:, None], b_sc)
-            carry = spill
+            b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2                                 # [M, BKC]
+            b_p = tl.exp2(b_s - lse_s[:, None])                                           # Eq. 8
+            if not seen:
+                vis = m_c[None, :] & (ic[None, :] * DS + L - 1 <= pos_r[:, None])
+                b_p = tl.where(vis, b_p, 0.)
+            b_pg = _head_sum(b_p, M, BT, BG, BKC, QB)                                     # [BT, BKC] Eq. 10
+            b_sc, carry = _block_scores(b_pg, carry, w_own, w_next, BT, NP, CPP)          # [BT, NP] Eq. 9
             jj = j0 + o_j                                                                 # [NP] block ids
             cand = m_bs[:, None] & (jj[None, :] <= tb[:, None])
             forced = (jj[None, :] < N_INIT) | (jj[None, :] > tb[:, None] - N_LOCAL)
@@ -1365,11 +1345,10 @@ def _sizes(q, k, v, rows):
 
 def launch_entry(name, G, width, table=None):
     """The entry of `table` (this file's CONFIG, or sel_kernel's) kernel `name` launches with at G query heads per kv
-    head and heads width = max(D, Dv) wide: "{name}_small_d" up to SMALL_D wide, else "{name}_small_g" below SMALL_G
-    or "{name}_large_g" above LARGE_G, where the table has them, else name."""
+    head and heads width = max(D, Dv) wide: "{name}_small_d" up to SMALL_D wide, else "{name}_small_g" below SMALL_G,
+    where the table has them, else name."""
     table = CONFIG if table is None else table
-    for entry, applies in ((f"{name}_small_d", width <= SMALL_D), (f"{name}_small_g", G < SMALL_G),
-                           (f"{name}_large_g", G > LARGE_G)):
+    for entry, applies in ((f"{name}_small_d", width <= SMALL_D), (f"{name}_small_g", G < SMALL_G)):
         if applies and entry in table:
             return entry
     return name
@@ -1517,11 +1496,9 @@ def _range_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 range_attn_fwd, range_attn_bwd = attention_op("range_attn", _range_attn_fwd, _range_attn_bwd)
 
 
-def _head_bits(M, BG, keys_major):
-    """_head_rows' QB for a tile of M query rows and BG heads a token. Keys major: -1 where BG >= 2 and 4 BG divides
-    M, else 0 (token major). Rows major: BG / (2 * M / 64) where that is 1..8, else 0."""
-    if keys_major:
-        return -1 if BG >= 2 and M % (4 * BG) == 0 else 0
+def _head_bits(M, BG):
+    """_head_rows' QB for a tile of M query rows and BG heads a token: BG / (2 * M / 64) where that is 1..8, else 0
+    (token major)."""
     s = M // 64
     return BG // (2 * s) if M % 64 == 0 and 2 * s <= BG <= 16 * s else 0
 
@@ -1543,10 +1520,8 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
     c = head_sizes(HQ, H, D, D)
     M, launch = _launch_cfg("select", q, k_cmp, k_cmp)
     BG = triton.next_power_of_2(c["G"])                   # padded rows: the kernel sums a token's heads by reshape
-    tokens = launch.pop("tokens", 0)
-    # keys-major tiles: 64..256 rows (512 gave wrong ids on triton 3.6) of at least 16 tokens (its Eq. 9 dot)
-    keys_major = launch.pop("keys_major") and BG <= 16
-    BT = min(256, max(64, tokens * BG)) // BG if keys_major else max(1, M // BG)
+    tokens = launch.pop("tokens", 0)                      # "select_small_g": tokens per tile, at least 64 rows
+    BT = max(64, tokens * BG) // BG if tokens else max(1, M // BG)
     NP = max(16, triton.next_power_of_2(n_select))
     BKC = max(16, triton.next_power_of_2(NP * (sel_block // cmp_stride)))
     # the Q tile and num_stages key chunks within SELECT_SMEM: a wide chunk (n or l' / d large) takes fewer stages,
@@ -1554,14 +1529,14 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
     smem = lambda: (BT * BG + launch["num_stages"] * BKC) * c["BD"] * q.element_size()
     while smem() > SELECT_SMEM and launch["num_stages"] > 2:
         launch["num_stages"] -= 1
-    while smem() > SELECT_SMEM and BT > (16 if keys_major else 1):
+    while smem() > SELECT_SMEM and BT > 1:
         BT //= 2
     _select_kernel[(triton.cdiv(B * T, BT), H)](
         pack(q), pack(k_cmp), pack(lse), idx, pos, seq, cu_c, scale * math.log2(math.e), B * T,
         VARLEN=cu_seqlens is not None, SEQ_T=T, SEQ_TK=Tc,
         H=H, G=c["G"], BG=BG, BT=BT, D=D, BD=c["BD"], L=cmp_block, DS=cmp_stride, LS=sel_block,
         NS=n_select, NP=NP, BKC=BKC, N_INIT=n_init, N_LOCAL=n_local, LOG_NP=int(math.log2(NP)),
-        N_DIMS=int(math.log2(NP * BT)), KEYS_MAJOR=keys_major, QB=_head_bits(BT * BG, BG, keys_major),
+        N_DIMS=int(math.log2(NP * BT)), QB=_head_bits(BT * BG, BG),
         **launch)
     return idx.view(B, T, H, n_select)
 

@@ -81,8 +81,8 @@ def layer(B, T, HQ, H, D, dtype, varlen=False):
 
 SHAPES = [  # B, T, HQ, H, D, dtype, var-length
     (1, 2048, 64, 4, 128, torch.bfloat16, False),  # bench.py's layer: G = 16 (Gluon kernels, union tiles)
-    (1, 2048, 128, 4, 256, torch.bfloat16, False),  # G = 32 ("*_large_g"), heads of 256: halved tiles
-    (1, 1500, 6, 2, 64, torch.float16, True),  # G = 3 as Track B: heads of 64 ("*_small_d"), keys-major; var-length
+    (1, 2048, 128, 4, 256, torch.bfloat16, False),  # G = 32, heads of 256: halved tiles
+    (1, 1500, 6, 2, 64, torch.float16, True),  # G = 3 as Track B: heads of 64 ("*_small_d"), var-length
     (1, 600, 4, 4, 96, torch.float32, False),  # G = 1, fp32: no Gluon, rows of 384 bytes
 ]
 for shape in SHAPES:

@@ -249,8 +249,8 @@ def test_captured_replay_outlives_its_function(bench):
 @pytest.mark.parametrize("hq", (4, 16, 64))
 def test_layer_sweep_varies_the_entries_its_g_takes(bench, monkeypatch, capsys, hq):
     """The layer sweep varies the entries that the kernels then read: *_small_d ones for narrow heads, else at
-    G < nsa_kernels.SMALL_G the *_small_g ones and above LARGE_G the *_large_g ones, where CONFIG has them; the
-    branches are timed with their gate; CONFIG is as before afterwards."""
+    G < nsa_kernels.SMALL_G the *_small_g ones, where CONFIG has them; the branches are timed with their gate; CONFIG
+    is as before afterwards."""
     import nsa_kernels
     before = {k: dict(v) for k, v in nsa_kernels.CONFIG.items()}
     changed, n_inputs = set(), []
@@ -272,7 +272,6 @@ def test_layer_sweep_varies_the_entries_its_g_takes(bench, monkeypatch, capsys, 
     narrow = max(bench.D, bench.Dv) <= nsa_kernels.SMALL_D
     ranges = ({"fwd_small_d", "dq_small_d", "dkv_small_d"} if narrow else {"fwd_small_g", "dq", "dkv"} if small
               else {"fwd", "dq", "dkv"})
-    large = hq // bench.H > nsa_kernels.LARGE_G
-    assert changed == ranges | {"select_small_g" if small else "select_large_g" if large else "select"}
+    assert changed == ranges | {"select_small_g" if small else "select"}
     assert n_inputs == [4, 4]                                                 # q, k, v and the gate
     assert nsa_kernels.CONFIG == before and "failed" not in capsys.readouterr().out

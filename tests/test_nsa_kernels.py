@@ -222,12 +222,10 @@ def test_dkv_entry_by_grid_size(monkeypatch, few):
 
 def test_launch_entry_by_width_then_group():
     """Heads up to SMALL_D wide take a kernel's *_small_d entry where CONFIG has one, else groups below SMALL_G its
-    *_small_g entry and groups above LARGE_G its *_large_g entry where it has them, else the kernel's own entry; and
-    the range kernels launch with it."""
-    d, g, big = nk.SMALL_D, nk.SMALL_G, nk.LARGE_G
-    assert nk.launch_entry("select", big, d + 1) == "select"
-    assert nk.launch_entry("select", big + 1, d) == "select_large_g"                  # no select_small_d to take
-    assert nk.launch_entry("fwd", big + 1, d + 1) == "fwd"
+    *_small_g entry where it has one, else the kernel's own entry; and the range kernels launch with it."""
+    d, g = nk.SMALL_D, nk.SMALL_G
+    assert nk.launch_entry("select", g, d) == "select"                                # no select_small_d to take
+    assert nk.launch_entry("fwd", 4 * g, d + 1) == "fwd"
     assert nk.launch_entry("dkv", g, d) == "dkv_small_d" and nk.launch_entry("dkv", 1, d + 1) == "dkv"
     assert nk.launch_entry("fwd", 1, d) == "fwd_small_d" and nk.launch_entry("fwd", g, d + 1) == "fwd"
     assert nk.launch_entry("fwd", 1, d + 1) == "fwd_small_g" and nk.launch_entry("select", 1, d) == "select_small_g"
@@ -312,29 +310,32 @@ def select_launch(monkeypatch, G, D, l, d, lsel, n, dtype):
     return kw
 
 
-@pytest.mark.parametrize("G,keys_major,M", [(1, False, 256), (1, True, 256), (3, False, 256), (3, True, 256),
-                                            (8, False, 256), (8, True, 256), (16, False, 256), (16, False, 128),
-                                            (16, True, 256), (20, False, 512)])
-def test_select_blocks_both_layouts(monkeypatch, G, keys_major, M):
-    """The score tile as [query rows, keys] and as [keys, query rows] (CONFIG picks one by G), each at small and large
-    G, against the reference. Query rows token major at G = 1 and rows-major G = 3, in _head_rows' order elsewhere:
-    QB = 1, 2 and 4 in 128-row tiles, 2 at rows-major G = 8, 16, 20, and -1 at keys-major G = 3, 8, 16. Var-length
-    and rows of 250 tokens (tiles across two rows), with 30-50 blocks: chunks of 16 that a tile sees whole (no mask);
-    no local blocks forced, so the scores next to a query decide too."""
+@pytest.mark.parametrize("G,M", [(1, 256), (1, 64), (3, 256), (3, 128), (8, 256), (8, 128), (16, 256), (16, 128),
+                                 (20, 512)])
+def test_select_blocks_tile_rows(monkeypatch, G, M):
+    """Tiles of M query rows at small and large G against the reference. Rows token major at G = 1 and at G = 3 in
+    256 rows, in _head_rows' order elsewhere: QB = 1, 2 and 4 in 128-row tiles, 1 at G = 8 in 256, 2 at G = 16 (256)
+    and 20 (512). Var-length and rows of 250 tokens (tiles across two rows), with 30-50 blocks: chunks of 16 that a
+    tile sees whole (no mask); no local blocks forced, so the scores next to a query decide too."""
     monkeypatch.setattr(nk, "SMALL_G", 0)                                    # every G takes CONFIG["select"]
-    monkeypatch.setattr(nk, "LARGE_G", 64)                                   # (not "*_small_g", "*_large_g")
-    monkeypatch.setitem(nk.CONFIG, "select", dict(nk.CONFIG["select"], M=M, keys_major=keys_major, tokens=16))
-    BG = 1 << (G - 1).bit_length()
+    monkeypatch.setitem(nk.CONFIG, "select", dict(nk.CONFIG["select"], M=M))
     kw = select_launch(monkeypatch, G, 32, 8, 4, 8, 4, torch.float32)
-    assert (kw["KEYS_MAJOR"], kw["BT"] * BG) == (keys_major, min(256, max(64, 16 * BG)) if keys_major else M)
-    assert kw["QB"] == ({1: 0, 3: -1, 8: -1, 16: -1} if keys_major else {1: 0, 3: 0, 8: 1, 16: 512 // M, 20: 2})[G]
+    assert kw["BT"] * kw["BG"] == M
+    assert kw["QB"] == {(1, 256): 0, (1, 64): 0, (3, 256): 0, (3, 128): 1, (8, 256): 1, (8, 128): 2, (16, 256): 2,
+                        (16, 128): 4, (20, 512): 2}[G, M]
     for B, T, cu in ((1, 400, torch.tensor([0, 70, 400], dtype=torch.int32)), (2, 250, None)):
         idx, ref = run_sel(B, T, 2 * G, 2, 32, 8, 4, 8, 4, 1, 0, seed=G, cu=cu)
         assert torch.equal(idx, ref), f"{(idx != ref).any(-1).sum().item()} of {idx[..., 0].numel()} rows differ"
 
 
+def test_select_small_g_tiles_by_tokens(monkeypatch):
+    """Below SMALL_G a tile holds CONFIG's tokens (32), at least 64 rows: 64 tokens at G = 1, 32 from G = 2."""
+    assert [select_launch(monkeypatch, G, 32, 8, 4, 8, 4, torch.float32)["BT"] for G in (1, 2, 3, 4)] == \
+        [64, 32, 32, 32]
+
+
 @pytest.mark.parametrize("G,D,lsel,n,dtype,tokens,stages", [(16, 128, 64, 16, torch.bfloat16, 16, 2),
-                                                              (32, 128, 64, 16, torch.bfloat16, 16, 3),
+                                                              (32, 128, 64, 16, torch.bfloat16, 8, 2),
                                                               (32, 128, 128, 16, torch.bfloat16, 8, 2),
                                                               (32, 128, 64, 32, torch.bfloat16, 8, 2),
                                                               (4, 128, 128, 32, torch.float16, 32, 2),
@@ -346,15 +347,6 @@ def test_select_launch_fits_shared_memory(monkeypatch, G, D, lsel, n, dtype, tok
     kw = select_launch(monkeypatch, G, D, 32, 16, lsel, n, dtype)
     assert (kw["BT"], kw["num_stages"]) == (tokens, stages)
     assert (kw["BT"] * kw["BG"] + kw["num_stages"] * kw["BKC"]) * kw["BD"] * dtype.itemsize <= nk.SELECT_SMEM
-
-
-def test_select_keys_major_up_to_16_heads(monkeypatch):
-    """Keys-major tiles hold at least 16 tokens (Eq. 9's dot) in at most 256 rows: a group of more than 16 heads
-    (padded) takes rows-major tiles where CONFIG asks for keys major."""
-    for entry in ("select", "select_large_g"):
-        monkeypatch.setitem(nk.CONFIG, entry, dict(nk.CONFIG["select_small_g"]))
-    assert [select_launch(monkeypatch, G, 32, 8, 4, 8, 4, torch.float32)["KEYS_MAJOR"] for G in (4, 16, 17, 32)] == \
-        [True, True, False, False]
 
 
 def test_select_blocks_varlen():
@@ -457,7 +449,8 @@ def test_every_kernel_compiles_for_hopper():
     script = os.path.join(os.path.dirname(__file__), "compile_hopper.py")
     run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "_select_kernel" in run.stdout and "_ws_range_kernel" in run.stdout and "QB=-1" in run.stdout
+    assert "_select_kernel" in run.stdout and "_ws_range_kernel" in run.stdout
+    assert all(f" QB={qb} " in run.stdout for qb in (0, 1, 2, 8))             # _head_rows' orders of the select tile
 
 
 # ----------------------------------------------------------------------------------------------------------------
