@@ -247,7 +247,8 @@ def test_tma_boxes_only_for_aligned_rows():
 
 # (B, T, HQ, H, D, l, d, l', n, n_init, n_local): forced blocks on/off, fewer candidates than n (-1 padding),
 # T < l (no compressed block: every score 0, ties to the lower j), l'/d = 3 and 5 (not powers of 2), l = l' (a
-# compressed block's 1 to 3 last strides spill into the next selection block), G = 1, 2, 3, 4
+# compressed block's 1 to 3 last strides spill into the next selection block), l = d = l' (one column a selection
+# block, no spill), G = 1, 2, 3, 4
 SEL_CASES = {
     "G2-n3-init1-local1": (1, 150, 4, 2, 32, 8, 4, 16, 3, 1, 1),
     "G1-B2-n4-noforced": (2, 120, 2, 2, 32, 8, 4, 16, 4, 0, 0),
@@ -257,6 +258,7 @@ SEL_CASES = {
     "G2-n20>blocks": (1, 90, 4, 2, 32, 8, 4, 16, 20, 1, 2),
     "G2-l=lsel-n4": (1, 180, 4, 2, 32, 16, 4, 16, 4, 1, 1),
     "G4-lsel20-d4-n3": (1, 170, 8, 2, 32, 8, 4, 20, 3, 1, 1),
+    "G2-l=d=lsel-n4": (1, 150, 4, 2, 32, 8, 8, 8, 4, 1, 1),
 }
 
 
