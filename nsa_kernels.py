@@ -989,7 +989,7 @@ def sort_rows(x, DESC: tl.constexpr, LOG_N: tl.constexpr, N_DIMS: tl.constexpr, 
 
 
 @triton.jit
-def _overlap(start, block, L: tl.constexpr, LS: tl.constexpr, DS: tl.constexpr):
+def _overlap(start, block, L, LS, DS):
     """Eq. 9's weights: tokens shared by the compressed block at `start` (L tokens) and the selection block at
     `block` (LS tokens), in units of the stride DS (broadcasts)."""
     return tl.maximum(tl.minimum(start + L, block + LS) - tl.maximum(start, block), 0).to(tl.float32) / DS
@@ -1204,7 +1204,7 @@ def _dec_score_kernel(s_in, m_in, l_in, pos, score_out, cand_out, TC, NSPLIT, NP
     for kk in range(R + L - 1):                                 # Eq. 9: block j reads c = j*R - L + 1 + kk
         c = j * R - L + 1 + kk
         start = (kk - L + 1) * BB
-        wt = (tl.minimum(start + A, LS) - tl.maximum(start, 0)).to(tl.float32) / BB   # overlap / d
+        wt = _overlap(start, 0, A, LS, BB)
         b_s = tl.load(s_in + (i_bh * G + o_g).to(tl.int64)[:, None] * TC + c[None, :],
                       mask=(o_g < G)[:, None] & ((c >= 0) & (c < seen) & (j < NB))[None, :], other=float("-inf"))
         score += wt * tl.sum(tl.exp2(b_s.to(tl.float32) - lse2[:, None]), 0)  # Eq. 10: sum over the group
