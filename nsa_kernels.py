@@ -49,7 +49,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 # D = 128).
 # "select": 256 rows (G = 16: 16 tokens) share each compressed key tile, in 4 warps, at every G from 8; below, 32
 # tokens a tile, at least 64 rows (picked on one H200 by a sweep of rows and stages at T = 16k and 64k, G = 1..32:
-# RESULTS, "Block selection's Eq. 9 as sums, and one tile layout at every G").
+# RESULTS, "Block selection's Eq. 9 as sums, and one tile layout at every G"); its third stage only where two
+# programs still share a multiprocessor (SELECT_SMEM_PAIR: at G = 16 and 32, not at G = 8).
 CONFIG = {
     "fwd": dict(M=128, BN=64, num_warps=4, num_stages=2),
     "fwd_small_g": dict(M=64, BN=64, num_warps=4, num_stages=2),
@@ -59,12 +60,14 @@ CONFIG = {
     "dkv": dict(M=64, BN=64, num_warps=4, num_stages=2),
     "dkv_few": dict(M=128, BN=64, num_warps=8, num_stages=2),  # "dkv" on grids below DKV_FEW_PROGRAMS programs
     "dkv_small_d": dict(M=64, BN=64, num_warps=4, num_stages=3),
-    "select": dict(M=256, num_warps=4, num_stages=2),
+    "select": dict(M=256, num_warps=4, num_stages=3),
     "select_small_g": dict(tokens=32, num_warps=4, num_stages=3),  # tokens per program, >= 64 rows
 }
 SMALL_G = 8
-SELECT_SMEM = 176 * 1024  # "select": bytes of its Q tile and key chunks at most (a Hopper block has 227 KiB of shared
+SELECT_SMEM = 176 * 1024  # "select": bytes of its tiles at most (_select_smem) (a Hopper block has 227 KiB of shared
 #                           memory; the kernel's reductions took up to 32 KiB more in the shapes that failed)
+SELECT_SMEM_PAIR = 113 * 1024  # "select": two programs share a Hopper multiprocessor (228 KiB, 1 KiB a block
+#                                reserved) up to this many bytes each (_select_smem)
 SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entries, here and in sel_kernel.py
 DKV_CHUNK = 256  # compressed dk/dv: fewest tokens per query chunk, and the grid aims at DKV_PROGRAMS programs
 DKV_PROGRAMS = 2048
@@ -1503,6 +1506,12 @@ def _head_bits(M, BG):
     return BG // (2 * s) if M % 64 == 0 and 2 * s <= BG <= 16 * s else 0
 
 
+def _select_smem(BT, BG, BKC, BD, NP, num_stages, itemsize):
+    """_select_kernel's shared memory on sm_90 as Triton allocates it: the Q tile, num_stages key chunks and one
+    [BT, NP] fp32 layout change (tests/compile_hopper.py holds the compiler to it)."""
+    return (BT * BG + num_stages * BKC) * BD * itemsize + BT * NP * 4
+
+
 @torch.library.custom_op("nsa::select", mutates_args=())
 def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block: int, cmp_stride: int,
               sel_block: int, n_select: int, n_init: int, n_local: int, scale: float,
@@ -1524,13 +1533,15 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
     BT = max(64, tokens * BG) // BG if tokens else max(1, M // BG)
     NP = max(16, triton.next_power_of_2(n_select))
     BKC = max(16, triton.next_power_of_2(NP * (sel_block // cmp_stride)))
-    # the Q tile and num_stages key chunks within SELECT_SMEM: a wide chunk (n or l' / d large) takes fewer stages,
-    # then fewer tokens a tile
-    smem = lambda: (BT * BG + launch["num_stages"] * BKC) * c["BD"] * q.element_size()
-    while smem() > SELECT_SMEM and launch["num_stages"] > 2:
+    # within SELECT_SMEM: a wide chunk (n or l' / d large) takes fewer stages, then fewer tokens a tile; and no stage
+    # that costs the second program on a multiprocessor
+    smem = lambda stages: _select_smem(BT, BG, BKC, c["BD"], NP, stages, q.element_size())
+    while smem(launch["num_stages"]) > SELECT_SMEM and launch["num_stages"] > 2:
         launch["num_stages"] -= 1
-    while smem() > SELECT_SMEM and BT > 1:
+    while smem(launch["num_stages"]) > SELECT_SMEM and BT > 1:
         BT //= 2
+    if launch["num_stages"] > 2 and smem(launch["num_stages"]) > SELECT_SMEM_PAIR >= smem(launch["num_stages"] - 1):
+        launch["num_stages"] -= 1
     _select_kernel[(triton.cdiv(B * T, BT), H)](
         pack(q), pack(k_cmp), pack(lse), idx, pos, seq, cu_c, scale * math.log2(math.e), B * T,
         VARLEN=cu_seqlens is not None, SEQ_T=T, SEQ_TK=Tc,

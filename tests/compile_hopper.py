@@ -6,8 +6,8 @@ those before a GPU does. tests/test_nsa_kernels.py runs it in its own process:
     python tests/compile_hopper.py
 
 Launches compile and do not run: outputs hold whatever torch.empty gave, which no launcher reads back (the kernels
-need no host sync). Exits non-zero if a kernel fails to compile, needs more shared memory than a Hopper block has,
-or is never launched here."""
+need no host sync). Exits non-zero if a kernel fails to compile, needs more shared memory than a Hopper block has
+(or, for block selection, other than its launcher reckons), or is never launched here."""
 import os
 import sys
 
@@ -32,6 +32,7 @@ class HopperWithoutGPU:
 
 
 compiled = {}  # (kernel name, its tensors' dtypes, constexpr values) -> shared bytes
+select_off = set()  # _select_kernel variants whose shared memory is not what the launcher's _select_smem says
 
 
 def compile_only(kernel, grid):
@@ -41,6 +42,11 @@ def compile_only(kernel, grid):
         dtypes = tuple(sorted({str(a.dtype)[6:] for a in args if isinstance(a, torch.Tensor)}))
         constexprs = tuple(sorted((n, v) for n, v in kwargs.items() if isinstance(v, (int, bool))))
         compiled[kernel.__name__, dtypes, constexprs] = k.metadata.shared
+        if kernel.__name__ == "_select_kernel":  # its launcher picks stages by _select_smem
+            size = nk._select_smem(*(kwargs[n] for n in ("BT", "BG", "BKC", "BD", "NP", "num_stages")),
+                                   args[0].element_size())
+            if size != k.metadata.shared:
+                select_off.add((constexprs, k.metadata.shared, size))
     return launch
 
 
@@ -96,6 +102,6 @@ for (name, dtypes, constexprs), shared in sorted(compiled.items()):
 kernels = {n for m in (nk, sel_kernel) for n, f in vars(m).items() if isinstance(f, JITFunction)}
 missed = {n for n in kernels if n.endswith("_kernel")} - {name for name, _, _ in compiled}
 too_big = sorted({name for (name, _, _), shared in compiled.items() if shared > HOPPER_SMEM})
-if missed or too_big:
+if missed or too_big or select_off:
     sys.exit(f"error: kernels not launched here: {sorted(missed)}; needing more than {HOPPER_SMEM} B of shared "
-             f"memory: {too_big}")
+             f"memory: {too_big}; _select_kernel's shared memory against _select_smem: {sorted(select_off)}")

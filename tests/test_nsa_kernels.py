@@ -336,19 +336,24 @@ def test_select_small_g_tiles_by_tokens(monkeypatch):
         [64, 32, 32, 32]
 
 
-@pytest.mark.parametrize("G,D,lsel,n,dtype,tokens,stages", [(16, 128, 64, 16, torch.bfloat16, 16, 2),
-                                                              (32, 128, 64, 16, torch.bfloat16, 8, 2),
-                                                              (32, 128, 128, 16, torch.bfloat16, 8, 2),
-                                                              (32, 128, 64, 32, torch.bfloat16, 8, 2),
+@pytest.mark.parametrize("G,D,lsel,n,dtype,tokens,stages", [(16, 128, 64, 16, torch.bfloat16, 16, 3),
+                                                              (32, 128, 64, 16, torch.bfloat16, 8, 3),
+                                                              (8, 128, 64, 16, torch.bfloat16, 32, 2),
+                                                              (1, 256, 64, 16, torch.bfloat16, 64, 2),
+                                                              (32, 128, 128, 16, torch.bfloat16, 8, 3),
+                                                              (32, 128, 64, 32, torch.bfloat16, 8, 3),
                                                               (4, 128, 128, 32, torch.float16, 32, 2),
                                                               (16, 128, 64, 16, torch.float32, 8, 2)])
 def test_select_launch_fits_shared_memory(monkeypatch, G, D, lsel, n, dtype, tokens, stages):
-    """The select launch's Q tile and key chunks stay within SELECT_SMEM (GPU tests run these shapes): the paper's
-    shape as CONFIG has it at G = 16 and 32; wider chunks (l' / d = 8, n = 32, both) and fp32 take fewer stages, then
-    fewer tokens."""
+    """The select launch's tiles stay within SELECT_SMEM (GPU tests run these shapes), and take a third stage only
+    where two programs still share a multiprocessor with it or one program held it alone anyway: the paper's shape
+    at G = 16 and 32 (3 stages), at G = 8 and at G = 1 with heads of 256 (2); wider chunks (l' / d = 8, n = 32,
+    both) and fp32 take fewer stages, then fewer tokens."""
     kw = select_launch(monkeypatch, G, D, 32, 16, lsel, n, dtype)
     assert (kw["BT"], kw["num_stages"]) == (tokens, stages)
-    assert (kw["BT"] * kw["BG"] + kw["num_stages"] * kw["BKC"]) * kw["BD"] * dtype.itemsize <= nk.SELECT_SMEM
+    size = lambda stages: nk._select_smem(kw["BT"], kw["BG"], kw["BKC"], kw["BD"], kw["NP"], stages, dtype.itemsize)
+    assert size(stages) <= nk.SELECT_SMEM
+    assert stages < 3 or size(3) <= nk.SELECT_SMEM_PAIR or size(2) > nk.SELECT_SMEM_PAIR
 
 
 def test_select_blocks_varlen():
