@@ -616,6 +616,22 @@ def _ws_rows(i_t, i_h, half, NT, H: gl.constexpr, G: gl.constexpr, layout: gl.co
     return t_r, t_r < NT, t_r.to(gl.int64) * (H * G) + i_h * G + r % G
 
 
+@gluon.constexpr_function
+def _ws_warp_copy(N):
+    """A layout of N values (N >= 32) for a 4-warp partition in which every warp holds all N: reductions over them
+    stay inside each warp (no shared memory, no barrier)."""
+    return gl.BlockedLayout([N // 32], [32], [4], [0])
+
+
+@gluon.jit
+def _ws_read_by_all(i_t, i_h, half, NT, lo, hi, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB,
+                    H: gl.constexpr, G: gl.constexpr):
+    """_read_by_all over consumer `half`'s 64 rows, reduced in a copy of the rows in each warp."""
+    t_r, m_r, _ = _ws_rows(i_t, i_h, half, NT, H, G, _ws_warp_copy(64))
+    b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
+    return _read_by_all(b_lo, b_hi, m_r)
+
+
 @gluon.jit
 def _ws_load_rows(ptr, rows, m, D: gl.constexpr, layout: gl.constexpr):
     """[64, D] rows `rows` of a row-major (..., D) array (0 where m is false), in `layout`."""
@@ -691,21 +707,20 @@ def _ws_range_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v
 
 
 @gluon.jit
-def _ws_fwd_finish(o, lse, gate, rows, m, m_i, l_i, acc, lse_scale, DV: gl.constexpr, GATED: gl.constexpr,
-                   o_l: gl.constexpr):
-    """A consumer's forward epilogue in acc's layout o_l: o = acc / l (times the gate) and lse_scale x the base-2
-    lse, through the Triton helpers softmax_finish and gate_out."""
+def _ws_fwd_finish(lse, gate, rows, m, m_i, l_i, acc, lse_scale, GATED: gl.constexpr, o_l: gl.constexpr):
+    """A consumer's forward epilogue in acc's layout o_l: stores lse_scale x the base-2 lse and returns o = acc / l
+    (times the gate), with rows and m in o_l's rows, through the Triton helpers softmax_finish and gate_out."""
     rows, m = gl.convert_layout(rows, gl.SliceLayout(1, o_l)), gl.convert_layout(m, gl.SliceLayout(1, o_l))
     m_i, l_i = gl.convert_layout(m_i, gl.SliceLayout(1, o_l)), gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
     b_o, b_lse = softmax_finish(m_i, l_i, acc)
     gl.store(lse + rows, b_lse * lse_scale, mask=m)
-    _ws_store_rows(o, rows, m, gate_out(b_o, gate, rows, m, GATED), DV, o_l)
+    return gate_out(b_o, gate, rows, m, GATED), rows, m
 
 
 @gluon.jit
-def _ws_fwd_consumer(o, lse, gate, lo, hi, q_bufs, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready, kv_free, half,
-                     n_tiles, scale_log2, NT, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB,
-                     H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr,
+def _ws_fwd_consumer(o_desc, o_buf, lse, gate, lo, hi, q_bufs, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready,
+                     kv_free, half, n_tiles, scale_log2, NT, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK,
+                     A, BB, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr,
                      STAGES: gl.constexpr, GATED: gl.constexpr):
     s_l: gl.constexpr = _ws_mma(BN)
     o_l: gl.constexpr = _ws_mma(DV)
@@ -714,10 +729,10 @@ def _ws_fwd_consumer(o, lse, gate, lo, hi, q_bufs, k_bufs, v_bufs, q_ready, q_fr
     n_done = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         i_t, i_h, k_start, n_steps = _ws_tile(tile, n_tiles, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G,
-                                              BN, gl.BlockedLayout([1], [32], [4], [0]))
+                                              BN, _ws_warp_copy(128))
         t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, s_l))
         b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
-        f_lo, f_hi = _read_by_all(b_lo, b_hi, m_r)                                        # keys every row reads
+        f_lo, f_hi = _ws_read_by_all(i_t, i_h, half, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G)
         m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
         l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
         acc = gl.zeros([64, DV], gl.float32, o_l)
@@ -737,15 +752,20 @@ def _ws_fwd_consumer(o, lse, gate, lo, hi, q_bufs, k_bufs, v_bufs, q_ready, q_fr
             m_i, alpha, b_p = softmax_rescale(b_s, m_i, scale_log2)                      # [64, BN]
             l_i = l_i * alpha + gl.sum(b_p, 1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-            b_p = gl.convert_layout(b_p.to(o.dtype.element_ty), gl.DotOperandLayout(0, o_l, 2))
+            b_p = gl.convert_layout(b_p.to(q_bufs.dtype), gl.DotOperandLayout(0, o_l, 2))
             mbarrier.wait(v_ready.index(s), ph)
             acc = warpgroup_mma(b_p, v_bufs.index(s), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))                      # [64, DV]
             mbarrier.arrive(kv_free.index(s), count=1)
             step += 1
         mbarrier.arrive(q_free.index(b), count=1)
-        _ws_fwd_finish(o, lse, gate, rows, m_r, m_i, l_i, acc, 0.6931471805599453, DV, GATED, o_l)  # natural-log lse
+        b_o, _, _ = _ws_fwd_finish(lse, gate, rows, m_r, m_i, l_i, acc, 0.6931471805599453, GATED, o_l)  # natural log
+        tma.store_wait(0)                                 # this consumer's previous tile has left o_buf
+        o_buf.reshape([64, DV]).store(b_o.to(o_buf.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [i_t * (128 // G) + half * (64 // G), i_h * G, 0], o_buf)
         n_done += 1
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -762,7 +782,7 @@ def _ws_dq_consumer(o, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, k_bu
     n_done = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         i_t, i_h, k_start, n_steps = _ws_tile(tile, n_tiles, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G,
-                                              BN, gl.BlockedLayout([1], [32], [4], [0]))
+                                              BN, _ws_warp_copy(128))
         t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, rows_l))
         b_o = _ws_load_rows(o, rows, m_r, DV, rows_l)
         b_lse = gl.load(lse + rows, mask=m_r, other=0.) * 1.4426950408889634
@@ -779,7 +799,7 @@ def _ws_dq_consumer(o, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, k_bu
         b_lse = gl.convert_layout(b_lse, gl.SliceLayout(1, s_l))
         t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, s_l))
         b_lo, b_hi = _range(t_r, m_r, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, FROM_KEY=False)
-        f_lo, f_hi = _read_by_all(b_lo, b_hi, m_r)
+        f_lo, f_hi = _ws_read_by_all(i_t, i_h, half, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G)
         b_dq = gl.zeros([64, D], gl.float32, q_l)
         for j in range(n_steps):
             s, ph = step % STAGES, (step // STAGES) & 1
@@ -811,7 +831,8 @@ def _ws_range_kernel(q_desc, do_desc, o, k_desc, v_desc, lse, lse2, delta, dq, g
                      G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                      GATED: gl.constexpr, BWD: gl.constexpr):
     """Persistent: each program walks tiles of 128 query rows (_ws_tile) and writes their forward (o, lse) or, with
-    BWD, dq (and delta, lse2 for dk/dv)."""
+    BWD, dq (and delta, lse2 for dk/dv). The forward's o is a TMA descriptor of [64 / G tokens, G, DV] boxes: each
+    consumer stores its rows from shared memory while it goes on to the next tile."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -835,14 +856,15 @@ def _ws_range_kernel(q_desc, do_desc, o, k_desc, v_desc, lse, lse2, delta, dq, g
                                 G, D, DV, BN, STAGES, BWD)),
         ], [4, 1], [240, 24])
     else:
+        o_bufs = gl.allocate_shared_memory(o.dtype, [2] + o.block_type.shape, o.layout)       # one per consumer
         fence_async_shared()
         gl.warp_specialize([
-            (_ws_fwd_consumer, (o, lse, gate, lo, hi, q_bufs, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready,
-                                kv_free, 0, n_tiles, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV,
-                                BN, STAGES, GATED)),
-            (_ws_fwd_consumer, (o, lse, gate, lo, hi, q_bufs, k_bufs, v_bufs, q_ready, q_free, k_ready, v_ready,
-                                kv_free, 1, n_tiles, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV,
-                                BN, STAGES, GATED)),
+            (_ws_fwd_consumer, (o, o_bufs.index(0), lse, gate, lo, hi, q_bufs, k_bufs, v_bufs, q_ready, q_free,
+                                k_ready, v_ready, kv_free, 0, n_tiles, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A,
+                                BB, H, G, D, DV, BN, STAGES, GATED)),
+            (_ws_fwd_consumer, (o, o_bufs.index(1), lse, gate, lo, hi, q_bufs, k_bufs, v_bufs, q_ready, q_free,
+                                k_ready, v_ready, kv_free, 1, n_tiles, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A,
+                                BB, H, G, D, DV, BN, STAGES, GATED)),
             (_ws_range_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, None, k_bufs, v_bufs, q_ready, q_free,
                                 k_ready, v_ready, kv_free, n_tiles, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H,
                                 G, D, DV, BN, STAGES, BWD)),
@@ -1398,10 +1420,10 @@ def _range_fwd(q, k, v, gate, geo, lo, hi, scale):
         D, DV = q.shape[2], v.shape[2]
         n_tiles = triton.cdiv(NT, 128 // G) * H
         _ws_range_kernel[(min(n_tiles, _sm_count(q.device)),)](
-            _ws_desc(q, [128 // G, G, D]), None, o, _ws_desc(k.view(-1, H * D), [128, D]),
-            _ws_desc(v.view(-1, H * DV), [128, DV]), lse, None, None, None, gate, lo, hi, scale * math.log2(math.e),
-            1., NT, n_tiles, **geo, H=H, G=G, D=D, DV=DV, BN=128, STAGES=2, GATED=gate is not None, BWD=False,
-            num_warps=4)
+            _ws_desc(q, [128 // G, G, D]), None, _ws_desc(o, [64 // G, G, DV]),
+            _ws_desc(k.view(-1, H * D), [128, D]), _ws_desc(v.view(-1, H * DV), [128, DV]), lse, None, None, None,
+            gate, lo, hi, scale * math.log2(math.e), 1., NT, n_tiles, **geo, H=H, G=G, D=D, DV=DV, BN=128, STAGES=2,
+            GATED=gate is not None, BWD=False, num_warps=4)
         return o, lse
     M, launch = _launch_cfg("fwd", q, k, v)
     c, BT = _sizes(q, k, v, M)

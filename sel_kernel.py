@@ -14,8 +14,9 @@ import nsa_kernels
 from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse, gate_out, group_rows, head_sizes,
                          key_rows, key_tile, launch_entry, load_rows, pack, pack_gate, sequences, softmax_finish,
                          softmax_rescale, softmax_step, sort_rows, store_rows, tile_m, tile_rows, tma_boxes, wide_rows)
-from nsa_kernels import (_ws_barriers, _ws_desc, _ws_fwd_finish, _ws_load_rows, _ws_mma, fence_async_shared,
-                         gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)  # the warp-specialised pieces
+from nsa_kernels import (_ws_barriers, _ws_desc, _ws_fwd_finish, _ws_load_rows, _ws_mma, _ws_store_rows,
+                         fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
+                         warpgroup_mma_wait)  # the warp-specialised pieces
 
 # Layout of the work (NT = all packed tokens, H kv heads, G = HQ / H query heads per kv head, l' = sel_block, n slots):
 # - forward and dq: query-centric. One program = BT = M // G consecutive tokens x the G heads of one kv group (an
@@ -683,7 +684,8 @@ def _ws_union_fwd_consumer(q, o, lse, gate, idx, pos, order, lst, cnt, q_smem, k
         acc = warpgroup_mma(b_p, v_bufs.index(b), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))                          # [64, DV]
         mbarrier.arrive(kv_free.index(b), count=1)
-    _ws_fwd_finish(o, lse, gate, rows, m_t, m_i, l_i, acc, 1., DV, GATED, o_l)            # base-2 lse
+    b_o, rows, m_t = _ws_fwd_finish(lse, gate, rows, m_t, m_i, l_i, acc, 1., GATED, o_l)  # base-2 lse
+    _ws_store_rows(o, rows, m_t, b_o, DV, o_l)
 
 
 @gluon.jit
