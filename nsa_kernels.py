@@ -905,22 +905,17 @@ def _ws_dkv_consumer(lse, delta, dk, dv, qlo, qhi, k_smem, v_smem, q_bufs, do_bu
     f_lo, f_hi = _read_by_all(b_qlo, b_qhi, m_k)                                          # tokens every key reads
     b_dk = gl.zeros([64, D], gl.float32, k_l)
     b_dv = gl.zeros([64, DV], gl.float32, v_l)
+    # a step's M query rows are the columns of s^T, which every warp holds: their lse and delta are loaded in that
+    # layout, as a compact load would need a shared-memory exchange with barriers each step
     r = gl.arange(0, M, layout=gl.SliceLayout(0, s_l))
-    vec_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])                           # compact, for the loads
-    rv = gl.arange(0, M, layout=vec_l)
-    t_v = t_start + rv // G
-    n_lse = gl.load(lse + t_v.to(gl.int64) * (H * G) + i_h * G + rv % G, mask=t_v < NT, other=0.)
-    n_delta = gl.load(delta + t_v.to(gl.int64) * (H * G) + i_h * G + rv % G, mask=t_v < NT, other=0.)
     mbarrier.wait(kv_ready.index(half), 0)
     for j in range(n_steps):
         s, ph = j % STAGES, (j // STAGES) & 1
         t0 = t_start + j * BT
         t_r = t0 + r // G                                                                 # [M] token of each row
-        b_lse = gl.convert_layout(n_lse, gl.SliceLayout(0, s_l))                          # base 2, gated
-        b_delta = gl.convert_layout(n_delta, gl.SliceLayout(0, s_l))
-        t_v = t0 + BT + rv // G                                                           # the next step's rows
-        n_lse = gl.load(lse + t_v.to(gl.int64) * (H * G) + i_h * G + rv % G, mask=t_v < NT, other=0.)
-        n_delta = gl.load(delta + t_v.to(gl.int64) * (H * G) + i_h * G + rv % G, mask=t_v < NT, other=0.)
+        n_r = t_r.to(gl.int64) * (H * G) + i_h * G + r % G
+        b_lse = gl.load(lse + n_r, mask=t_r < NT, other=0.)                               # base 2, gated
+        b_delta = gl.load(delta + n_r, mask=t_r < NT, other=0.)
         mbarrier.wait(qd_ready.index(s), ph)
         q_s = q_bufs.index(s).reshape([M, D])
         do_s = do_bufs.index(s).reshape([M, DV])
