@@ -913,9 +913,9 @@ def _ws_dkv_consumer(lse, delta, dk, dv, qlo, qhi, k_smem, v_smem, q_bufs, do_bu
         s, ph = j % STAGES, (j // STAGES) & 1
         t0 = t_start + j * BT
         t_r = t0 + r // G                                                                 # [M] token of each row
-        n_r = t_r.to(gl.int64) * (H * G) + i_h * G + r % G
-        b_lse = gl.load(lse + n_r, mask=t_r < NT, other=0.)                               # base 2, gated
-        b_delta = gl.load(delta + n_r, mask=t_r < NT, other=0.)
+        off_r = t_r.to(gl.int64) * (H * G) + i_h * G + r % G
+        b_lse = gl.load(lse + off_r, mask=t_r < NT, other=0.)                             # base 2, gated
+        b_delta = gl.load(delta + off_r, mask=t_r < NT, other=0.)
         mbarrier.wait(qd_ready.index(s), ph)
         q_s = q_bufs.index(s).reshape([M, D])
         do_s = do_bufs.index(s).reshape([M, DV])
