@@ -594,12 +594,14 @@ def _range_sum_chunks_kernel(dk_part, dv_part, dk, dv, NQC, NK_D, NK_DV, BE: tl.
 # of 128 query rows (a [128 / G tokens, G, D] box of Q, and of dO for dq, in one of two buffers), K/V tiles of BN keys
 # over the union of their ranges; the loader fetches the next tile's Q and keys while the consumers finish this one,
 # so short rows (the window's 512 keys, the compressed keys of short sequences) do not pay a program's start and
-# end per tile. dq first writes delta and the base-2 lse for dk/dv, as _range_bwd_dq_kernel does. dk/dv: 128 keys
-# (K/V loaded once), Q/dO tiles of 64 rows (M // G tokens, a [tokens, G, D] box) over the tokens any of them reads;
-# the lse and delta of the next step are loaded during this one. The key ranges and their masks, key tiles, softmax
-# step and end, and gate terms are the Triton helpers above (_range, _in_ranges, _key_tile, softmax_rescale,
-# softmax_finish, gate_lse, gate_delta, gate_out), which Gluon kernels call as they are. Gluon does not run in the
-# CPU interpreter: the GPU tests check these against the reference.
+# end per tile; a tile's few values (its key range) are reduced in a copy each warp holds (no barrier), and the
+# forward's o leaves by TMA from a shared buffer while its consumer goes on. dq first writes delta and the base-2 lse
+# for dk/dv, as _range_bwd_dq_kernel does. dk/dv: 128 keys (K/V loaded once), Q/dO tiles of 64 rows (M // G tokens,
+# a [tokens, G, D] box) over the tokens any of them reads; each step's lse and delta are loaded straight into the
+# layout of its s^T columns. The key ranges and their masks, key tiles, softmax step and end, and gate terms are the
+# Triton helpers above (_range, _in_ranges, _key_tile, softmax_rescale, softmax_finish, gate_lse, gate_delta,
+# gate_out), which Gluon kernels call as they are. Gluon does not run in the CPU interpreter: the GPU tests check
+# these against the reference.
 
 @gluon.constexpr_function
 def _ws_mma(N):
