@@ -252,13 +252,13 @@ def tma_boxes(x, y, box_x, box_y):
             TensorDescriptor(y, list(y.shape), list(y.stride()), box_y), True)
 
 
-def _ws_applies(q, k, v, do=None):
-    """Whether the warp-specialised kernels take these packed q (NT, HQ, D), k (NK, H, D), v (NK, H, Dv) (and do):
-    Hopper, 16-bit, D = Dv = 64 or 128, G a power of 2 up to 64, keys, 16-byte aligned for TMA."""
+def _ws_applies(q, k, v, *rows):
+    """Whether the warp-specialised kernels take these packed q (NT, HQ, D), k (NK, H, D), v (NK, H, Dv) (and rows
+    such as do, o): Hopper, 16-bit, D = Dv = 64 or 128, G a power of 2 up to 64, keys, 16-byte aligned for TMA."""
     G = q.shape[1] // k.shape[1]
     return (HOPPER_WS and q.is_cuda and k.shape[0] > 0 and torch.cuda.get_device_capability(q.device)[0] == 9 and
             q.dtype in (torch.bfloat16, torch.float16) and q.shape[2] == v.shape[2] in (64, 128) and
-            G & (G - 1) == 0 and G <= 64 and all(x.data_ptr() % 16 == 0 for x in (q, k, v, do) if x is not None))
+            G & (G - 1) == 0 and G <= 64 and all(x.data_ptr() % 16 == 0 for x in (q, k, v, *rows)))
 
 
 def _ws_rows_apply(geo):
@@ -595,13 +595,14 @@ def _range_sum_chunks_kernel(dk_part, dv_part, dk, dv, NQC, NK_D, NK_DV, BE: tl.
 # over the union of their ranges; the loader fetches the next tile's Q and keys while the consumers finish this one,
 # so short rows (the window's 512 keys, the compressed keys of short sequences) do not pay a program's start and
 # end per tile; a tile's few values (its key range) are reduced in a copy each warp holds (no barrier), and the
-# forward's o leaves by TMA from a shared buffer while its consumer goes on. dq first writes delta and the base-2 lse
-# for dk/dv, as _range_bwd_dq_kernel does. dk/dv: 128 keys (K/V loaded once), Q/dO tiles of 64 rows (M // G tokens,
-# a [tokens, G, D] box) over the tokens any of them reads; each step's lse and delta are loaded straight into the
-# layout of its s^T columns. The key ranges and their masks, key tiles, softmax step and end, and gate terms are the
-# Triton helpers above (_range, _in_ranges, _key_tile, softmax_rescale, softmax_finish, gate_lse, gate_delta,
-# gate_out), which Gluon kernels call as they are. Gluon does not run in the CPU interpreter: the GPU tests check
-# these against the reference.
+# forward's o leaves by TMA from a shared buffer while its consumer goes on. dq first writes delta (from the tile's o,
+# which the loader brings in by TMA too) and the base-2 lse for dk/dv, as _range_bwd_dq_kernel does. dk/dv: 128 keys
+# (K/V loaded once), Q/dO tiles of 64 rows (M // G tokens, a [tokens, G, D] box) over the tokens any of them reads;
+# each step's lse and delta are loaded straight into the layout of its s^T columns. The key ranges and their masks,
+# key tiles, softmax step and end, and gate terms are the Triton helpers above (_range, _in_ranges, _key_tile,
+# softmax_rescale, softmax_finish, gate_lse, gate_delta, gate_out), which Gluon kernels call as they are. A buffer a
+# consumer reads with plain loads (not wgmma) takes fence_async_shared before its release, or the loader's next TMA
+# may overwrite it first. Gluon does not run in the CPU interpreter: the GPU tests check these against the reference.
 
 @gluon.constexpr_function
 def _ws_mma(N):
@@ -676,12 +677,13 @@ def _ws_tile(tile, n_tiles, NT, lo, hi, KIND: gl.constexpr, VARLEN: gl.constexpr
 
 
 @gluon.jit
-def _ws_range_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_free, k_ready,
-                     v_ready, kv_free, n_tiles, NT, lo, hi, KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK,
-                     A, BB, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr,
-                     STAGES: gl.constexpr, BWD: gl.constexpr):
-    """Per tile: its Q (and dO) into one of two buffers, then its K/V steps into the STAGES-deep ring; so the next
-    tile's loads run while the consumers finish this one."""
+def _ws_range_loader(q_desc, do_desc, o_desc, k_desc, v_desc, q_bufs, do_bufs, o_buf, k_bufs, v_bufs, q_ready,
+                     q_free, o_ready, o_free, k_ready, v_ready, kv_free, n_tiles, NT, lo, hi, KIND: gl.constexpr,
+                     VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
+                     DV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, BWD: gl.constexpr):
+    """Per tile: its Q (and dO) into one of two buffers (and o into o_buf, which the consumers free once they have
+    their delta), then its K/V steps into the STAGES-deep ring; so the next tile's loads run while the consumers
+    finish this one."""
     step = 0
     n_done = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -696,6 +698,10 @@ def _ws_range_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v
         else:
             mbarrier.expect(q_ready.index(b), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [i_t * (128 // G), i_h * G, 0], q_ready.index(b), q_bufs.index(b))
+        if BWD:
+            mbarrier.wait(o_free, (n_done & 1) ^ 1)
+            mbarrier.expect(o_ready, o_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(o_desc, [i_t * (128 // G), i_h * G, 0], o_ready, o_buf)
         for j in range(n_steps):
             s, ph = step % STAGES, (step // STAGES) & 1
             mbarrier.wait(kv_free.index(s), ph ^ 1)
@@ -771,10 +777,10 @@ def _ws_fwd_consumer(o_desc, o_buf, lse, gate, lo, hi, q_bufs, k_bufs, v_bufs, q
 
 
 @gluon.jit
-def _ws_dq_consumer(o, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_free, k_ready,
-                    v_ready, kv_free, half, n_tiles, scale_log2, scale, NT, KIND: gl.constexpr, VARLEN: gl.constexpr,
-                    SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
-                    BN: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
+def _ws_dq_consumer(o_buf, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_free,
+                    o_ready, o_free, k_ready, v_ready, kv_free, half, n_tiles, scale_log2, scale, NT,
+                    KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr,
+                    D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr):
     s_l: gl.constexpr = _ws_mma(BN)
     q_l: gl.constexpr = _ws_mma(D)
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -786,7 +792,6 @@ def _ws_dq_consumer(o, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, k_bu
         i_t, i_h, k_start, n_steps = _ws_tile(tile, n_tiles, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G,
                                               BN, _ws_warp_copy(128))
         t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, rows_l))
-        b_o = _ws_load_rows(o, rows, m_r, DV, rows_l)
         b_lse = gl.load(lse + rows, mask=m_r, other=0.) * 1.4426950408889634
         b_lse = gate_lse(gl.where(b_lse == float("-inf"), 0., b_lse), gate, rows, m_r, GATED)
         gl.store(lse2 + rows, b_lse, mask=m_r)                                            # for the dk/dv kernel
@@ -794,7 +799,12 @@ def _ws_dq_consumer(o, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, k_bu
         mbarrier.wait(q_ready.index(b), (n_done // 2) & 1)
         q_rows = q_bufs.index(b).reshape([128, D]).slice(half * 64, 64)
         do_rows = do_bufs.index(b).reshape([128, DV]).slice(half * 64, 64)
-        b_delta = gl.sum(b_o.to(gl.float32) * do_rows.load(rows_l).to(gl.float32), 1)
+        mbarrier.wait(o_ready, n_done & 1)
+        b_o = o_buf.reshape([128, DV]).slice(half * 64, 64).load(rows_l)
+        b_do = do_rows.load(rows_l)
+        fence_async_shared()      # these reads before the loader's next TMA writes there (without it: wrong deltas)
+        mbarrier.arrive(o_free, count=1)
+        b_delta = gl.sum(b_o.to(gl.float32) * b_do.to(gl.float32), 1)
         b_delta = gate_delta(b_delta, gate, rows, m_r, GATED)                             # as _range_bwd_dq_kernel
         gl.store(delta + rows, b_delta, mask=m_r)
         b_delta = gl.convert_layout(b_delta, gl.SliceLayout(1, s_l))
@@ -833,8 +843,9 @@ def _ws_range_kernel(q_desc, do_desc, o, k_desc, v_desc, lse, lse2, delta, dq, g
                      G: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                      GATED: gl.constexpr, BWD: gl.constexpr):
     """Persistent: each program walks tiles of 128 query rows (_ws_tile) and writes their forward (o, lse) or, with
-    BWD, dq (and delta, lse2 for dk/dv). The forward's o is a TMA descriptor of [64 / G tokens, G, DV] boxes: each
-    consumer stores its rows from shared memory while it goes on to the next tile."""
+    BWD, dq (and delta, lse2 for dk/dv). o is a TMA descriptor: in the forward of [64 / G tokens, G, DV] boxes, each
+    consumer storing its rows from shared memory while it goes on to the next tile; with BWD of the tile's
+    [128 / G, G, DV], which the loader brings in for delta."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -845,17 +856,20 @@ def _ws_range_kernel(q_desc, do_desc, o, k_desc, v_desc, lse, lse2, delta, dq, g
     kv_free = _ws_barriers(STAGES, 2)
     if BWD:
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+        o_buf = gl.allocate_shared_memory(o.dtype, o.block_type.shape, o.layout)
+        o_ready = _ws_barriers(1, 1).index(0)
+        o_free = _ws_barriers(1, 2).index(0)                # both consumers
         fence_async_shared()
         gl.warp_specialize([
-            (_ws_dq_consumer, (o, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, k_bufs, v_bufs, q_ready,
-                               q_free, k_ready, v_ready, kv_free, 0, n_tiles, scale_log2, scale, NT, KIND, VARLEN,
-                               SEQ_T, SEQ_TK, A, BB, H, G, D, DV, BN, STAGES, GATED)),
-            (_ws_dq_consumer, (o, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, k_bufs, v_bufs, q_ready,
-                               q_free, k_ready, v_ready, kv_free, 1, n_tiles, scale_log2, scale, NT, KIND, VARLEN,
-                               SEQ_T, SEQ_TK, A, BB, H, G, D, DV, BN, STAGES, GATED)),
-            (_ws_range_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_free,
-                                k_ready, v_ready, kv_free, n_tiles, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H,
-                                G, D, DV, BN, STAGES, BWD)),
+            (_ws_dq_consumer, (o_buf, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, k_bufs, v_bufs,
+                               q_ready, q_free, o_ready, o_free, k_ready, v_ready, kv_free, 0, n_tiles, scale_log2,
+                               scale, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV, BN, STAGES, GATED)),
+            (_ws_dq_consumer, (o_buf, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, k_bufs, v_bufs,
+                               q_ready, q_free, o_ready, o_free, k_ready, v_ready, kv_free, 1, n_tiles, scale_log2,
+                               scale, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV, BN, STAGES, GATED)),
+            (_ws_range_loader, (q_desc, do_desc, o, k_desc, v_desc, q_bufs, do_bufs, o_buf, k_bufs, v_bufs, q_ready,
+                                q_free, o_ready, o_free, k_ready, v_ready, kv_free, n_tiles, NT, lo, hi, KIND,
+                                VARLEN, SEQ_T, SEQ_TK, A, BB, H, G, D, DV, BN, STAGES, BWD)),
         ], [4, 1], [240, 24])
     else:
         o_bufs = gl.allocate_shared_memory(o.dtype, [2] + o.block_type.shape, o.layout)       # one per consumer
@@ -867,9 +881,9 @@ def _ws_range_kernel(q_desc, do_desc, o, k_desc, v_desc, lse, lse2, delta, dq, g
             (_ws_fwd_consumer, (o, o_bufs.index(1), lse, gate, lo, hi, q_bufs, k_bufs, v_bufs, q_ready, q_free,
                                 k_ready, v_ready, kv_free, 1, n_tiles, scale_log2, NT, KIND, VARLEN, SEQ_T, SEQ_TK, A,
                                 BB, H, G, D, DV, BN, STAGES, GATED)),
-            (_ws_range_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, None, k_bufs, v_bufs, q_ready, q_free,
-                                k_ready, v_ready, kv_free, n_tiles, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H,
-                                G, D, DV, BN, STAGES, BWD)),
+            (_ws_range_loader, (q_desc, do_desc, None, k_desc, v_desc, q_bufs, None, None, k_bufs, v_bufs, q_ready,
+                                q_free, None, None, k_ready, v_ready, kv_free, n_tiles, NT, lo, hi, KIND, VARLEN,
+                                SEQ_T, SEQ_TK, A, BB, H, G, D, DV, BN, STAGES, BWD)),
         ], [4, 1], [240, 24])
 
 
@@ -1440,11 +1454,12 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale):
     delta = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta)                        # the dq kernel's base-2 gated lse (gate_lse), for dk/dv
     sl2 = scale * math.log2(math.e)
-    if NT > 0 and _ws_rows_apply(geo) and _ws_applies(q, k, v, do):
+    if NT > 0 and _ws_rows_apply(geo) and _ws_applies(q, k, v, do, o):
         H, G, D, DV = k.shape[1], HQ // k.shape[1], q.shape[2], v.shape[2]
         n_tiles = triton.cdiv(NT, 128 // G) * H
         _ws_range_kernel[(min(n_tiles, _sm_count(q.device)),)](
-            _ws_desc(q, [128 // G, G, D]), _ws_desc(do, [128 // G, G, DV]), o, _ws_desc(k.view(-1, H * D), [64, D]),
+            _ws_desc(q, [128 // G, G, D]), _ws_desc(do, [128 // G, G, DV]), _ws_desc(o, [128 // G, G, DV]),
+            _ws_desc(k.view(-1, H * D), [64, D]),
             _ws_desc(v.view(-1, H * DV), [64, DV]), lse, lse2, delta, dq, gate, lo, hi, sl2, scale, NT, n_tiles, **geo,
             H=H, G=G, D=D, DV=DV, BN=64, STAGES=2, GATED=gate is not None, BWD=True, num_warps=4)
     elif NT > 0:
