@@ -176,30 +176,38 @@ def softmax_finish(m_i, l_i, acc):
 
 
 @triton.jit
-def gate_out(b_o, gate, rows, m, GATED: tl.constexpr):
-    """A branch's output tile [M, BDV] times the gate weight of each row (Eq. 5 applied by the branch kernel, so the
-    mix is a plain sum); b_o as it is without a gate. gate: fp32, one value per (token, query head) row."""
+def gate_rows(gate, rows, m, GATED: tl.constexpr):
+    """The gate weight [M] of each row (gate: fp32, one value per (token, query head) row; 1 without a gate). The
+    helpers below take it, so a kernel loads it once, where it likes (the Hopper dq a tile ahead)."""
     if GATED:
-        b_o = b_o * tl.load(gate + rows, mask=m, other=1.)[:, None]
+        return tl.load(gate + rows, mask=m, other=1.)
+    else:
+        return tl.where(m, 1., 1.)
+
+
+@triton.jit
+def gate_out(b_o, g, GATED: tl.constexpr):
+    """A branch's output tile [M, BDV] times its rows' gate weights g (Eq. 5 applied by the branch kernel, so the mix
+    is a plain sum); b_o as it is without a gate."""
+    if GATED:
+        b_o = b_o * g[:, None]
     return b_o
 
 
 @triton.jit
-def gate_lse(b_lse, gate, rows, m, GATED: tl.constexpr):
+def gate_lse(b_lse, g, GATED: tl.constexpr):
     """The base-2 lse [M] the backward reads for a gated output: p = 2^(s - (lse - log2 g)) = g * p, so its dv and ds
     are those of g * o_branch with the incoming do as it is (no g * do tensor); p = 0 where g = 0."""
     if GATED:
-        g = tl.load(gate + rows, mask=m, other=1.)
         b_lse = tl.where(g > 0, b_lse - tl.log2(tl.where(g > 0, g, 1.)), float("inf"))
     return b_lse
 
 
 @triton.jit
-def gate_delta(b_delta, gate, rows, m, GATED: tl.constexpr):
+def gate_delta(b_delta, g, GATED: tl.constexpr):
     """The backward's delta [M] of a gated output o = g * o_branch: rowsum(o * do) / g = rowsum(o_branch * do),
     which is also dL/dg (0 where g = 0, where a softmax or sigmoid gate passes no gradient to its logits anyway)."""
     if GATED:
-        g = tl.load(gate + rows, mask=m, other=1.)
         b_delta = tl.where(g > 0, b_delta / tl.where(g > 0, g, 1.), 0.)
     return b_delta
 
@@ -449,7 +457,7 @@ def _range_fwd_kernel(q, k, v, o, lse, gate, lo, hi, scale_log2, NT,
     m_i, l_i, acc = _fwd_loop(b_q, k, v, m_i, l_i, acc, b_lo, b_hi, kb, k_end, k_end, scale_log2, i_h,
                               H, D, DV, BD, BDV, BN, MASK=True, BOXES=BOXES)
     b_o, b_lse = softmax_finish(m_i, l_i, acc)
-    store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate, t_off + hq_r, m_r, GATED), DV, BDV)
+    store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate_rows(gate, t_off + hq_r, m_r, GATED), GATED), DV, BDV)
     tl.store(lse + t_off + hq_r, b_lse * 0.6931471805599453, mask=m_r)                    # natural log
 
 
@@ -488,11 +496,12 @@ def _range_bwd_dq_kernel(q, k, v, o, do, lse, lse2, delta, dq, gate, lo, hi, sca
     b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                                          # [M, BD]
     b_do = load_rows(do, t_off + hq_r, m_r, DV, BDV)                                      # [M, BDV]
     b_o = load_rows(o, t_off + hq_r, m_r, DV, BDV)
+    b_g = gate_rows(gate, t_off + hq_r, m_r, GATED)
     b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)                        # [M]
-    b_delta = gate_delta(b_delta, gate, t_off + hq_r, m_r, GATED)
+    b_delta = gate_delta(b_delta, b_g, GATED)
     tl.store(delta + t_off + hq_r, b_delta, mask=m_r)
     b_lse = tl.load(lse + t_off + hq_r, mask=m_r, other=0.) * 1.4426950408889634          # base 2
-    b_lse = gate_lse(tl.where(b_lse == float("-inf"), 0., b_lse), gate, t_off + hq_r, m_r, GATED)  # no key: masked
+    b_lse = gate_lse(tl.where(b_lse == float("-inf"), 0., b_lse), b_g, GATED)            # no key: masked
     tl.store(lse2 + t_off + hq_r, b_lse, mask=m_r)                                        # for the dk/dv kernel
     b_dq = tl.zeros([M, BD], tl.float32)
     k0, ka, kb, k_end = _split(b_lo, b_hi, m_r, BN)
@@ -586,23 +595,24 @@ def _range_sum_chunks_kernel(dk_part, dv_part, dk, dv, NQC, NK_D, NK_DV, BE: tl.
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# range attention on Hopper: warp-specialised forward, dq and dk/dv (Gluon; _ws_applies and _ws_rows_apply say
-# where). The same tiles and masks as the kernels above, but each program is three partitions: a loader warp streams
-# tiles into shared memory by TMA (an mbarrier ring of STAGES buffers, each freed when both consumers arrive), and two
-# consumer warpgroups take 64 rows each, issuing asynchronous wgmma; while one waits on its softmax the other's
-# matmuls run. Forward and dq (one kernel, _ws_range_kernel): persistent, one program per multiprocessor walking tiles
-# of 128 query rows (a [128 / G tokens, G, D] box of Q, and of dO for dq, in one of two buffers), K/V tiles of BN keys
-# over the union of their ranges; the loader fetches the next tile's Q and keys while the consumers finish this one,
-# so short rows (the window's 512 keys, the compressed keys of short sequences) do not pay a program's start and
-# end per tile; a tile's few values (its key range) are reduced in a copy each warp holds (no barrier), and the
-# forward's o leaves by TMA from a shared buffer while its consumer goes on. dq first writes delta (from the tile's o,
-# which the loader brings in by TMA too) and the base-2 lse for dk/dv, as _range_bwd_dq_kernel does. dk/dv: 128 keys
-# (K/V loaded once), Q/dO tiles of 64 rows (M // G tokens, a [tokens, G, D] box) over the tokens any of them reads;
-# each step's lse and delta are loaded straight into the layout of its s^T columns. The key ranges and their masks,
-# key tiles, softmax step and end, and gate terms are the Triton helpers above (_range, _in_ranges, _key_tile,
-# softmax_rescale, softmax_finish, gate_lse, gate_delta, gate_out), which Gluon kernels call as they are. A buffer a
-# consumer reads with plain loads (not wgmma) takes fence_async_shared before its release, or the loader's next TMA
-# may overwrite it first. Gluon does not run in the CPU interpreter: the GPU tests check these against the reference.
+# range attention on Hopper: warp-specialised forward, dq and dk/dv (Gluon; _ws_applies and _ws_rows_apply say where).
+# The same tiles and masks as the kernels above, but each program is three partitions: a loader warp streams tiles into
+# shared memory by TMA (an mbarrier ring of STAGES buffers, each freed when both consumers arrive), and two consumer
+# warpgroups take 64 rows each, issuing asynchronous wgmma; while one waits on its softmax the other's matmuls run.
+# Forward and dq (one kernel, _ws_range_kernel): persistent, one program per multiprocessor walking tiles of 128 query
+# rows (a [128 / G tokens, G, D] box of Q, and of dO for dq, in one of two buffers), K/V tiles of BN keys over the union
+# of their ranges; the loader fetches the next tile's Q and keys while the consumers finish this one, so short rows (the
+# window's 512 keys, the compressed keys of short sequences) do not pay a program's start and end per tile; a tile's few
+# values (its key range) are reduced in a copy each warp holds (no barrier), and the forward's o leaves by TMA from a
+# shared buffer while its consumer goes on. dq first writes delta (from the tile's o, which the loader brings in by TMA
+# too) and the base-2 lse for dk/dv, as _range_bwd_dq_kernel does (their lse and gate loaded a tile ahead, hidden behind
+# the previous tile). dk/dv: 128 keys (K/V loaded once), Q/dO tiles of 64 rows (M // G tokens, a [tokens, G, D] box)
+# over the tokens any of them reads; each step's lse and delta are loaded straight into the layout of its s^T columns
+# (loading them a step ahead was slower, RESULTS.md). The key ranges and their masks, key tiles, softmax step and end,
+# and gate terms are the Triton helpers above (_range, _in_ranges, _key_tile, softmax_rescale, softmax_finish,
+# gate_rows, gate_lse, gate_delta, gate_out), which Gluon kernels call as they are. A buffer a consumer reads with plain
+# loads (not wgmma) takes fence_async_shared before its release, or the loader's next TMA may overwrite it first. Gluon
+# does not run in the CPU interpreter: the GPU tests check these against the reference.
 
 @gluon.constexpr_function
 def _ws_mma(N):
@@ -722,7 +732,7 @@ def _ws_fwd_finish(lse, gate, rows, m, m_i, l_i, acc, lse_scale, GATED: gl.const
     m_i, l_i = gl.convert_layout(m_i, gl.SliceLayout(1, o_l)), gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
     b_o, b_lse = softmax_finish(m_i, l_i, acc)
     gl.store(lse + rows, b_lse * lse_scale, mask=m)
-    return gate_out(b_o, gate, rows, m, GATED), rows, m
+    return gate_out(b_o, gate_rows(gate, rows, m, GATED), GATED), rows, m
 
 
 @gluon.jit
@@ -777,6 +787,17 @@ def _ws_fwd_consumer(o_desc, o_buf, lse, gate, lo, hi, q_bufs, k_bufs, v_bufs, q
 
 
 @gluon.jit
+def _ws_dq_rows(lse, gate, tile, n_tiles, half, NT, H: gl.constexpr, G: gl.constexpr, GATED: gl.constexpr,
+                layout: gl.constexpr):
+    """The natural-log lse and the gate (gate_rows) of consumer `half`'s rows of persistent tile number `tile`
+    (_ws_tile; none past the last), in `layout`: the dq loads them a tile ahead."""
+    u = n_tiles - 1 - tile
+    _, m_r, rows = _ws_rows(u // H, u % H, half, NT, H, G, layout)
+    m_r = m_r & (tile < n_tiles)
+    return gl.load(lse + rows, mask=m_r, other=0.), gate_rows(gate, rows, m_r, GATED)
+
+
+@gluon.jit
 def _ws_dq_consumer(o_buf, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_free,
                     o_ready, o_free, k_ready, v_ready, kv_free, half, n_tiles, scale_log2, scale, NT,
                     KIND: gl.constexpr, VARLEN: gl.constexpr, SEQ_T, SEQ_TK, A, BB, H: gl.constexpr, G: gl.constexpr,
@@ -788,12 +809,16 @@ def _ws_dq_consumer(o_buf, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, 
     zero = gl.zeros([64, BN], gl.float32, s_l)
     step = 0
     n_done = 0
+    next_lse, next_g = _ws_dq_rows(lse, gate, gl.program_id(0), n_tiles, half, NT, H, G, GATED,
+                                   gl.SliceLayout(1, rows_l))
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         i_t, i_h, k_start, n_steps = _ws_tile(tile, n_tiles, NT, lo, hi, KIND, VARLEN, SEQ_T, SEQ_TK, A, BB, H, G,
                                               BN, _ws_warp_copy(128))
         t_r, m_r, rows = _ws_rows(i_t, i_h, half, NT, H, G, gl.SliceLayout(1, rows_l))
-        b_lse = gl.load(lse + rows, mask=m_r, other=0.) * 1.4426950408889634
-        b_lse = gate_lse(gl.where(b_lse == float("-inf"), 0., b_lse), gate, rows, m_r, GATED)
+        b_lse, b_g = next_lse * 1.4426950408889634, next_g
+        next_lse, next_g = _ws_dq_rows(lse, gate, tile + gl.num_programs(0), n_tiles, half, NT, H, G, GATED,
+                                       gl.SliceLayout(1, rows_l))
+        b_lse = gate_lse(gl.where(b_lse == float("-inf"), 0., b_lse), b_g, GATED)
         gl.store(lse2 + rows, b_lse, mask=m_r)                                            # for the dk/dv kernel
         b = n_done % 2
         mbarrier.wait(q_ready.index(b), (n_done // 2) & 1)
@@ -805,7 +830,7 @@ def _ws_dq_consumer(o_buf, lse, lse2, delta, dq, gate, lo, hi, q_bufs, do_bufs, 
         fence_async_shared()      # these reads before the loader's next TMA writes there (without it: wrong deltas)
         mbarrier.arrive(o_free, count=1)
         b_delta = gl.sum(b_o.to(gl.float32) * b_do.to(gl.float32), 1)
-        b_delta = gate_delta(b_delta, gate, rows, m_r, GATED)                             # as _range_bwd_dq_kernel
+        b_delta = gate_delta(b_delta, b_g, GATED)                                         # as _range_bwd_dq_kernel
         gl.store(delta + rows, b_delta, mask=m_r)
         b_delta = gl.convert_layout(b_delta, gl.SliceLayout(1, s_l))
         b_lse = gl.convert_layout(b_lse, gl.SliceLayout(1, s_l))

@@ -11,9 +11,10 @@ import triton
 import triton.language as tl
 
 import nsa_kernels
-from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse, gate_out, group_rows, head_sizes,
-                         key_rows, key_tile, launch_entry, load_rows, pack, pack_gate, sequences, softmax_finish,
-                         softmax_rescale, softmax_step, sort_rows, store_rows, tile_m, tile_rows, tma_boxes, wide_rows)
+from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse, gate_out, gate_rows, group_rows,
+                         head_sizes, key_rows, key_tile, launch_entry, load_rows, pack, pack_gate, sequences,
+                         softmax_finish, softmax_rescale, softmax_step, sort_rows, store_rows, tile_m, tile_rows,
+                         tma_boxes, wide_rows)
 from nsa_kernels import (_ws_barriers, _ws_desc, _ws_fwd_finish, _ws_load_rows, _ws_mma, _ws_store_rows,
                          fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
                          warpgroup_mma_wait)  # the warp-specialised pieces
@@ -212,7 +213,7 @@ def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, order, lst, cnt, scale_log2
             m_i, l_i, acc = _fwd_inner(b_q, k, v, m_i, l_i, acc, j, bos, m_row, rel_r, rel_max, scale_log2, i_h,
                                        NT, H, D, DV, BD, BDV, BS, BK, BOXES)
     b_o, b_lse = softmax_finish(m_i, l_i, acc)            # lse: base 2, of the scaled scores
-    store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate, t_off + hq_r, m_r, GATED), DV, BDV)
+    store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate_rows(gate, t_off + hq_r, m_r, GATED), GATED), DV, BDV)
     tl.store(lse + t_off + hq_r, b_lse, mask=m_r)
 
 
@@ -225,8 +226,9 @@ def _row_stats(o, b_do, lse, delta, lse2, gate, rows, m, DV: tl.constexpr, BDV: 
     """delta = rowsum(o_branch * do) and the lse the backward kernels read (gate_lse: gated, base 2) of rows [M]
     (b_do [M, BDV] their do), stored for the dk/dv kernel and returned."""
     b_o = load_rows(o, rows, m, DV, BDV).to(tl.float32)                    # [M, BDV]
-    b_delta = gate_delta(tl.sum(b_o * b_do.to(tl.float32), 1), gate, rows, m, GATED)
-    b_lse = gate_lse(tl.load(lse + rows, mask=m, other=0.), gate, rows, m, GATED)
+    b_g = gate_rows(gate, rows, m, GATED)
+    b_delta = gate_delta(tl.sum(b_o * b_do.to(tl.float32), 1), b_g, GATED)
+    b_lse = gate_lse(tl.load(lse + rows, mask=m, other=0.), b_g, GATED)
     tl.store(delta + rows, b_delta, mask=m)
     tl.store(lse2 + rows, b_lse, mask=m)
     return b_delta, b_lse
@@ -801,7 +803,7 @@ def _sel_key_merge_kernel(o_part, lse_part, idx, o, lse, gate, T0, T1, H: tl.con
     m_i, _, b_w = softmax_rescale(b_lse, tl.full([M], float("-inf"), tl.float32), 1.)    # b_w [M, BP]: weights
     acc = tl.sum(_load_partials(o_part, rows, m_p, DV, BDV) * b_w[:, :, None], 1)   # [M, BDV]
     b_o, b_lse = softmax_finish(m_i, tl.sum(b_w, 1), acc)
-    store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate, t_off + hq_r, m_r, GATED), DV, BDV)
+    store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate_rows(gate, t_off + hq_r, m_r, GATED), GATED), DV, BDV)
     tl.store(lse + t_off + hq_r, b_lse, mask=m_r)
 
 
