@@ -402,7 +402,7 @@ def selection_paths():
 def tile_tokens(T, hq):
     """BT: the tokens one program of the query-centric selection forward holds at T tokens and hq query heads, as
     sel_kernel.py picks its tile under the current CONFIG (union tiles included)."""
-    M, _, _ = sel_kernel._query_launch("fwd", hq // H, T, max(D, Dv))
+    M, _, _ = sel_kernel._query_launch("fwd", hq // H, T, max(D, Dv), torch.device(device))
     return M // (hq // H)
 
 

@@ -31,7 +31,8 @@ from nsa_kernels import (_ws_barriers, _ws_desc, _ws_fwd_finish, _ws_load_rows, 
 #   union list instead: each block once, for the rows whose token chose it (CONFIG["fwd_union"], ["dq_union"]). A
 #   union tile costs about the length of its list, so its tokens are not neighbours but are grouped by the blocks
 #   they share, inside spans of GROUP_TILES tiles (_group_kernel). On rows longer than UNION_MAX_T tokens the union
-#   tiles split: those whose lists pass UNION_SPLIT x n run their tokens one to a tile, in a second launch.
+#   tiles split: those whose lists pass UNION_SPLIT x n run their tokens one to a tile, in a second launch (the
+#   forward's only on GPUs with less L2 cache than FWD_SPLIT_MAX_L2; on the others it runs one token a tile there).
 # - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
 #   builds the reverse index (which (token, slot) pairs selected each block, tokens ascending) in O(NT*H*n) memory;
 #   each list is cut into chunks of CONFIG's chunk_rows query rows (shorter on short inputs, so the grid fills the
@@ -82,6 +83,9 @@ KEY_MAX_G = 8  # "auto" takes the key-centric path for G = HQ / H up to this, at
 UNION_MAX_T = dict(fwd=32768, dq=8192)  # and at G = 16 the forward / dq in union tiles (RESULTS.md); on rows of
 #                                          more than so many tokens, union tiles that list more than
 UNION_SPLIT = dict(fwd=3.0, dq=2.0)  # so many n blocks run one token a tile instead, in a second launch
+FWD_SPLIT_MAX_L2 = 56 * 2 ** 20  # the forward splits so only on GPUs with less L2 cache than this (an H100's 50 MB);
+#                                  with more (an H200's 60 MB) it runs one token a tile there, which was faster at
+#                                  64k on random and trained ids alike (RESULTS.md)
 GROUP_TILES = 16  # union tiles: their tokens are grouped by shared blocks inside spans of this many tiles
 GROUP_WORDS = 8  # and a token's blocks a bitmask of at most this many 32-bit words (exact up to 16k tokens at l' 64)
 
@@ -1019,15 +1023,22 @@ def union_tiles(idx, pos, BT, sel_block):
     return order, lst, cnt
 
 
-def _query_launch(name, G, T, width):
+@torch.compiler.assume_constant_result
+def _l2_bytes(device):
+    """L2 cache of a CUDA device, 0 for other devices (the interpreter takes the H100's rules)."""
+    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+
+
+def _query_launch(name, G, T, width, device):
     """(M, union, launch kwargs) of the query-centric kernel CONFIG[name] ("fwd" or "dq"), on rows of T tokens (packed
-    var-length input: their total, a bound on each) and heads width = max(D, Dv) wide; a tile holds M // G tokens,
-    and union tiles need more than one. Under "auto" the forward and dq at G = 16 with heads up to 128 wide (the
-    measured shape) take CONFIG["fwd_union"] / ["dq_union"], where tokens share enough blocks that loading each once
-    per tile pays; on rows of more than UNION_MAX_T[name] tokens they keep them only where their lists are short
-    (cfg["split"] = UNION_SPLIT[name], see _query_launches)."""
+    var-length input: their total, a bound on each) and heads width = max(D, Dv) wide, on `device`; a tile holds
+    M // G tokens, and union tiles need more than one. Under "auto" the forward and dq at G = 16 with heads up to 128
+    wide (the measured shape) take CONFIG["fwd_union"] / ["dq_union"], where tokens share enough blocks that loading
+    each once per tile pays; on rows of more than UNION_MAX_T[name] tokens they keep them only where their lists are
+    short (cfg["split"] = UNION_SPLIT[name], see _query_launches), the forward only below FWD_SPLIT_MAX_L2."""
     auto = CONFIG["path"] == "auto" and G == 16 and width <= 128
-    M, union, cfg = _launch(name + "_union" if auto else name, G)
+    long_fwd = name == "fwd" and T > UNION_MAX_T[name] and _l2_bytes(device) >= FWD_SPLIT_MAX_L2
+    M, union, cfg = _launch(name + "_union" if auto and not long_fwd else name, G)
     if union and auto and T > UNION_MAX_T[name]:
         cfg["split"] = UNION_SPLIT[name]
     return M, union, cfg
@@ -1037,7 +1048,7 @@ def _query_launches(name, c, T, width, idx, pos, tiles, sel_block):
     """The launches of the query-centric kernel CONFIG[name] (_query_launch): its union index (order, lst, cnt; idx
     thrice without union tiles) and [(grid, kwargs)], two where the union tiles split (_other_launch)."""
     NT, NS, G, H = idx.shape[0], idx.shape[2], c["G"], c["H"]
-    M, union, cfg = _query_launch(name, G, T, width)
+    M, union, cfg = _query_launch(name, G, T, width, idx.device)
     split = cfg.pop("split", None)
     order, lst, cnt = _union_index(tiles, M // G, idx, pos, sel_block) if union else (idx, idx, idx)
     launches = [((triton.cdiv(NT, M // G), H), dict(cfg, M=M, UNION=union))]
@@ -1327,7 +1338,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
                                                          N_ACC, H=H, D=D, DV=DV, BD=c["BD"], BDV=c["BDV"],
                                                          BS=sel_block, BSP=BSP, BR=32, ADD=t0 > 0)
     if ds is not None:
-        M, union, _ = _query_launch("dq", c["G"], T, max(D, DV))    # the dq's tiles, its union tiles unsplit
+        M, union, _ = _query_launch("dq", c["G"], T, max(D, DV), q.device)  # the dq's tiles, its union tiles unsplit
         order, lst, cnt = _union_index(tiles, M // c["G"], idx, pos, sel_block) if union else (idx, idx, idx)
         kb, _, boxes = tma_boxes(kf, kf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BD"]])
         _sel_ds_dq_kernel[(triton.cdiv(NT, M // c["G"]), H)](
@@ -1366,7 +1377,9 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
     _, window, _, chunk = _plan(B * T, HQ, k.shape[2], block_indices.shape[3], D, v.shape[3], int(sel_block),
                                 q.element_size())
     G = HQ // k.shape[2]
-    M, union, _ = _query_launch("fwd", G, T, max(D, v.shape[3]))         # its union tiles are built once too
+    # the forward's union tiles are built once, for the dq too (where the forward runs one token a tile, the dq
+    # builds its own)
+    M, union, _ = _query_launch("fwd", G, T, max(D, v.shape[3]), q.device)
     index = sel_index(block_indices, int(sel_block), cu_seqlens, window, chunk, M // G if union else 0)
     return sel_attn_fwd(q, k, v, gate, block_indices, int(sel_block), scale, cu_seqlens, index)[0]
 

@@ -542,29 +542,49 @@ def test_auto_rule_and_bad_path(monkeypatch):
 def test_auto_union_rule(monkeypatch):
     """Under "auto" the forward and dq at G = 16 run union tiles (CONFIG["fwd_union"], ["dq_union"], several tokens a
     tile) with heads up to 128 wide, on rows of more than UNION_MAX_T[kernel] tokens split by list length
-    (UNION_SPLIT[kernel]); other G, wider heads and the "query" path keep one token a tile. And the selection under
-    "auto" at G = 16 on short rows matches the reference."""
+    (UNION_SPLIT[kernel]; the forward's only with less L2 cache than FWD_SPLIT_MAX_L2, else one token a tile);
+    other G, wider heads and the "query" path keep one token a tile. And the selection under "auto" at G = 16
+    matches the reference."""
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
+    cpu = torch.device("cpu")
     for name in ("fwd", "dq"):
         T = sel_kernel.UNION_MAX_T[name]
-        M, union, cfg = sel_kernel._query_launch(name, 16, T, 128)
+        M, union, cfg = sel_kernel._query_launch(name, 16, T, 128, cpu)
         assert union and M // 16 > 1 and "split" not in cfg, name
         for G, t, width in ((16, T + 1, 128), (12, T, 128), (32, T, 128), (16, T, 192)):
-            M, union, cfg = sel_kernel._query_launch(name, G, t, width)
+            M, union, cfg = sel_kernel._query_launch(name, G, t, width, cpu)
             if G == 16 and width == 128:                                     # longer rows: split by list length
                 assert union and cfg["split"] == sel_kernel.UNION_SPLIT[name]
             else:
                 assert not union and M // G == 1, (name, G, t, width)
+    # with an L2 cache of FWD_SPLIT_MAX_L2 or more, the forward on longer rows runs one token a tile; the dq splits
+    l2 = sel_kernel._l2_bytes
+    monkeypatch.setattr(sel_kernel, "_l2_bytes", lambda device: sel_kernel.FWD_SPLIT_MAX_L2)
+    for name in ("fwd", "dq"):
+        assert sel_kernel._query_launch(name, 16, sel_kernel.UNION_MAX_T[name], 128, cpu)[1], name
+    M, union, cfg = sel_kernel._query_launch("fwd", 16, sel_kernel.UNION_MAX_T["fwd"] + 1, 128, cpu)
+    assert not union and M == 16 and "split" not in cfg
+    assert sel_kernel._query_launch("dq", 16, sel_kernel.UNION_MAX_T["dq"] + 1, 128, cpu)[2]["split"]
+    monkeypatch.setattr(sel_kernel, "_l2_bytes", lambda device: sel_kernel.FWD_SPLIT_MAX_L2 - 1)
+    assert sel_kernel._query_launch("fwd", 16, sel_kernel.UNION_MAX_T["fwd"] + 1, 128, cpu)[2]["split"]
+    monkeypatch.setattr(sel_kernel, "_l2_bytes", l2)
     out, ref = run_both(1, 70, 32, 2, 16, 16, 3, 16, torch.float32, seed=21, gated=True)
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
         assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "query")
-    assert not sel_kernel._query_launch("fwd", 16, 16, 128)[1]
+    assert not sel_kernel._query_launch("fwd", 16, 16, 128, cpu)[1]
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")                       # forward and dq: one grouping,
     monkeypatch.setattr(sel_kernel, "UNION_MAX_T", dict(fwd=64, dq=64))        # rows of T (not B * T) tokens
     built, tiles_fn = [], sel_kernel.union_tiles
     monkeypatch.setattr(sel_kernel, "union_tiles", lambda *a: built.append(a) or tiles_fn(*a))
     run_both(2, 40, 32, 2, 16, 16, 3, 16, torch.float32, seed=21)
+    assert len(built) == 1
+    # longer rows with a large L2: the forward runs one token a tile, the dq builds its own union tiles
+    monkeypatch.setattr(sel_kernel, "_l2_bytes", lambda device: sel_kernel.FWD_SPLIT_MAX_L2)
+    built.clear()
+    out, ref = run_both(1, 70, 32, 2, 16, 16, 3, 16, torch.float32, seed=22, gated=True)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
+        assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
     assert len(built) == 1
 
 
@@ -687,6 +707,7 @@ def test_union_split_gated_gpu(split, monkeypatch):
     monkeypatch.setattr(sel_kernel, "DS_MAX_BYTES", 0)
     monkeypatch.setattr(sel_kernel, "UNION_MAX_T", dict(fwd=16, dq=16))
     monkeypatch.setattr(sel_kernel, "UNION_SPLIT", dict(fwd=split, dq=split))
+    monkeypatch.setattr(sel_kernel, "FWD_SPLIT_MAX_L2", float("inf"))          # the forward splits on any GPU
     cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
     out, ref = run_both(1, 2000, 64, 4, 128, 128, 16, 64, torch.bfloat16, device="cuda", cu_seqlens=cu, gated=True)
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
@@ -810,6 +831,7 @@ def test_hopper_gpu(path, G, D, ds, monkeypatch):
     if path == "auto-split":
         monkeypatch.setattr(sel_kernel, "UNION_MAX_T", dict(fwd=16, dq=16))
         monkeypatch.setattr(sel_kernel, "UNION_SPLIT", dict(fwd=0.5, dq=0.5))
+        monkeypatch.setattr(sel_kernel, "FWD_SPLIT_MAX_L2", float("inf"))
     monkeypatch.setitem(sel_kernel.CONFIG, "path", path.split("-")[0])
     if not ds:
         monkeypatch.setattr(sel_kernel, "DS_MAX_BYTES", 0)
