@@ -579,13 +579,16 @@ def test_auto_union_rule(monkeypatch):
     monkeypatch.setattr(sel_kernel, "union_tiles", lambda *a: built.append(a) or tiles_fn(*a))
     run_both(2, 40, 32, 2, 16, 16, 3, 16, torch.float32, seed=21)
     assert len(built) == 1
-    # longer rows with a large L2: the forward runs one token a tile, the dq builds its own union tiles
+    # longer rows with a large L2: the forward runs one token a tile (one launch), the dq builds its own union tiles
     monkeypatch.setattr(sel_kernel, "_l2_bytes", lambda device: sel_kernel.FWD_SPLIT_MAX_L2)
+    fwd_union, kernel = [], sel_kernel._sel_fwd_kernel
+    monkeypatch.setattr(sel_kernel, "_sel_fwd_kernel", type("Spy", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **kw: fwd_union.append(kw["UNION"]) or kernel[grid](*a, **kw))})())
     built.clear()
     out, ref = run_both(1, 70, 32, 2, 16, 16, 3, 16, torch.float32, seed=22, gated=True)
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
         assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
-    assert len(built) == 1
+    assert fwd_union == [False] and len(built) == 1
 
 
 def test_dkv_cfg_by_path_head_width_and_dtype(monkeypatch):
