@@ -1484,9 +1484,9 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale):
         n_tiles = triton.cdiv(NT, 128 // G) * H
         _ws_range_kernel[(min(n_tiles, _sm_count(q.device)),)](
             _ws_desc(q, [128 // G, G, D]), _ws_desc(do, [128 // G, G, DV]), _ws_desc(o, [128 // G, G, DV]),
-            _ws_desc(k.view(-1, H * D), [64, D]),
-            _ws_desc(v.view(-1, H * DV), [64, DV]), lse, lse2, delta, dq, gate, lo, hi, sl2, scale, NT, n_tiles, **geo,
-            H=H, G=G, D=D, DV=DV, BN=64, STAGES=2, GATED=gate is not None, BWD=True, num_warps=4)
+            _ws_desc(k.view(-1, H * D), [64, D]), _ws_desc(v.view(-1, H * DV), [64, DV]), lse, lse2, delta, dq, gate,
+            lo, hi, sl2, scale, NT, n_tiles, **geo, H=H, G=G, D=D, DV=DV, BN=64, STAGES=2, GATED=gate is not None,
+            BWD=True, num_warps=4)
     elif NT > 0:
         M, launch = _launch_cfg("dq", q, k, v)
         c, BT = _sizes(q, k, v, M)
