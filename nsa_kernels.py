@@ -20,7 +20,8 @@ public functions at the bottom; test_nsa_kernels.py and test_decode.py check the
 # (Eq. 9: two weighted sums over each selection block's columns; a carry holds the part of the last compressed blocks
 # that spills into the next chunk), packs (score bits, -j) into one int64 and merges it into a running sorted top-NP
 # list (bitonic merge: the top-NP of two sorted lists is max(a_desc, b_asc)). Only the (B, T, H, n) int32 indices are
-# written.
+# written. On Hopper from G = 8 (_ws_select_applies) a warp-specialised kernel writes the block scores instead, for
+# windows of tokens, and _top_kernel merges them into the top n the same way (the merge off the tensor cores' path).
 #
 # Decode: one query token per row over nsa_attention.nsa_cache in four launches (see "decode kernels" below).
 # The file reads: shared pieces -> range attention kernels -> their Hopper versions (Gluon) -> selection kernel ->
@@ -68,6 +69,9 @@ SELECT_SMEM = 176 * 1024  # "select": bytes of its tiles at most (_select_smem) 
 #                           memory; the kernel's reductions took up to 32 KiB more in the shapes that failed)
 SELECT_SMEM_PAIR = 113 * 1024  # "select": two programs share a Hopper multiprocessor (228 KiB, 1 KiB a block
 #                                reserved) up to this many bytes each (_select_smem)
+SELECT_WS_MIN_G = 8  # block selection on Hopper takes _ws_score_kernel from this G (at G = 4 it was slower, RESULTS)
+SELECT_SCORE_BYTES = 2 ** 29  # and its block scores are held for windows of tokens of at most this many bytes
+SELECT_TOP_TOKENS = 8  # tokens a _top_kernel program
 SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entries, here and in sel_kernel.py
 DKV_CHUNK = 256  # compressed dk/dv: fewest tokens per query chunk, and the grid aims at DKV_PROGRAMS programs
 DKV_PROGRAMS = 2048
@@ -1161,14 +1165,28 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
                 b_p = tl.where(vis, b_p, 0.)
             b_pg = _head_sum(b_p, M, BT, BG, BKC, QB)                                     # [BT, BKC] Eq. 10
             b_sc, carry = _block_scores(b_pg, carry, w_own, w_next, BT, NP, CPP)          # [BT, NP] Eq. 9
-            jj = j0 + o_j                                                                 # [NP] block ids
-            cand = m_bs[:, None] & (jj[None, :] <= tb[:, None])
-            forced = (jj[None, :] < N_INIT) | (jj[None, :] > tb[:, None] - N_LOCAL)
-            b_sc = tl.where(forced, float("inf"), b_sc)
-            # scores are >= 0, so their bits order like the floats; the low word makes ties go to the lower j
-            key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-jj + INT_MAX).to(tl.int64)[None, :]
-            key = sort_rows(tl.where(cand, key, -1), DESC=0, LOG_N=LOG_NP, N_DIMS=N_DIMS)      # ascending
-            top = sort_rows(tl.maximum(top, key), DESC=1, LOG_N=LOG_NP, N_DIMS=N_DIMS, MERGE_ONLY=1)
+            top = _merge_top(top, b_sc, j0 + o_j, m_bs, tb, N_INIT, N_LOCAL, LOG_NP, N_DIMS)
+    _store_top(idx, top, t_b, m_b, i_h, H, NS, NP, LOG_NP, N_DIMS)
+
+
+@triton.jit
+def _merge_top(top, b_sc, jj, m_b, tb, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, LOG_NP: tl.constexpr,
+               N_DIMS: tl.constexpr):
+    """Merges the block scores b_sc [BT, NP] of blocks jj [NP] into the tokens' running top-NP keys (sorted
+    descending): the forced blocks score +inf, blocks after a token's own (tb) are no candidates."""
+    cand = m_b[:, None] & (jj[None, :] <= tb[:, None])
+    forced = (jj[None, :] < N_INIT) | (jj[None, :] > tb[:, None] - N_LOCAL)
+    b_sc = tl.where(forced, float("inf"), b_sc)
+    # scores are >= 0, so their bits order like the floats; the low word makes ties go to the lower j
+    key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-jj + INT_MAX).to(tl.int64)[None, :]
+    key = sort_rows(tl.where(cand, key, -1), DESC=0, LOG_N=LOG_NP, N_DIMS=N_DIMS)             # ascending
+    return sort_rows(tl.maximum(top, key), DESC=1, LOG_N=LOG_NP, N_DIMS=N_DIMS, MERGE_ONLY=1)
+
+
+@triton.jit
+def _store_top(idx, top, t_b, m_b, i_h, H: tl.constexpr, NS: tl.constexpr, NP: tl.constexpr, LOG_NP: tl.constexpr,
+               N_DIMS: tl.constexpr):
+    """The first NS of each token's top keys as block ids, ascending, -1 after the valid ones, into idx."""
     o_s = tl.arange(0, NP)
     valid = (o_s[None, :] < NS) & (top >= 0)
     j = tl.where(valid, (-(top & INT_MAX) + INT_MAX).to(tl.int32), INT_MAX)
@@ -1176,6 +1194,152 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
     j = tl.where(j == INT_MAX, -1, j)
     tl.store(idx + (t_b.to(tl.int64) * H + i_h)[:, None] * NS + o_s[None, :], j,
              mask=m_b[:, None] & (o_s < NS)[None, :])
+
+
+@triton.jit
+def _top_kernel(scores, idx, T0, NT, SEQ_T, NB, H: tl.constexpr, LS: tl.constexpr, NS: tl.constexpr,
+                NP: tl.constexpr, BT: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
+                LOG_NP: tl.constexpr, N_DIMS: tl.constexpr):
+    """Top-n of the block scores _ws_score_kernel wrote for tokens T0 .. T0 + NT (scores (NT, H, 2, NB): Eq. 9's own
+    and spill parts, block j's score own[j] + spill[j - 1]), BT tokens of one kv head a program."""
+    i_t, i_h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)    # the longest rows first
+    t_w = i_t * BT + tl.arange(0, BT)                     # [BT] tokens of the window
+    m_b = t_w < NT
+    tb = ((T0 + t_w) % SEQ_T) // LS
+    o_j = tl.arange(0, NP)
+    row = (t_w.to(tl.int64) * H + i_h) * (2 * NB)
+    top = tl.full([BT, NP], -1, tl.int64)
+    for j0 in range(0, tl.max(tl.where(m_b, tb + 1, 0), 0), NP):
+        jj = j0 + o_j
+        m_j = m_b[:, None] & (jj[None, :] <= tb[:, None])
+        b_sc = tl.load(scores + row[:, None] + jj[None, :], mask=m_j, other=0.)
+        b_sc += tl.load(scores + row[:, None] + NB - 1 + jj[None, :], mask=m_j & (jj >= 1)[None, :], other=0.)
+        top = _merge_top(top, b_sc, jj, m_b, tb, N_INIT, N_LOCAL, LOG_NP, N_DIMS)
+    _store_top(idx, top, T0 + t_w, m_b, i_h, H, NS, NP, LOG_NP, N_DIMS)
+
+
+# block scores on Hopper (_ws_select_applies): a warp-specialised Gluon kernel writes Eq. 9's two parts of every
+# block's score and _top_kernel picks the top n (the merge is off the tensor cores' path). Persistent over tiles of
+# 256 / G tokens x the G heads of one kv head; a loader warp brings the tile's Q (one TMA box of a strided view whose
+# rows come in the order below) and chunks of BK compressed keys; two consumer warpgroups take 128 query rows each
+# and compute s^T = K Q^T [BK, 128] (keys on the rows): a thread of a wgmma accumulator holds the columns
+# 8 j + 2 r + e (r: its lane % 4) for every j and e, so with column 8 (jh G / 2 + jl) + 2 r + e holding token 4 jh + r
+# and head 2 jl + e, a thread holds all G heads of its tokens and Eq. 10's sum is adds inside it. Eq. 9's sums over a
+# block's keys stay inside a warp.
+
+@gluon.jit
+def _ws_score_tile(tile, n_tiles, T0, SEQ_T, H: gl.constexpr, G: gl.constexpr, LS: gl.constexpr, NP: gl.constexpr):
+    """A persistent program's tile number `tile` (the longest first): its (i_t, i_h) and its BK-key steps."""
+    u = n_tiles - 1 - tile
+    i_t, i_h = u // H, u % H
+    p_last = (T0 + (i_t + 1) * (256 // G) - 1) % SEQ_T                   # position of the tile's last token
+    return i_t, i_h, gl.cdiv(p_last // LS + 1, NP)
+
+
+@gluon.jit
+def _ws_score_loader(q_desc, k_desc, q_bufs, k_bufs, q_ready, q_free, k_ready, k_free, n_tiles, T0, SEQ_T, SEQ_TK,
+                     H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                     LS: gl.constexpr, NP: gl.constexpr):
+    """Per tile: its Q into one of two buffers, then its key chunks into the STAGES-deep ring."""
+    TT: gl.constexpr = 256 // G
+    step = 0
+    n_done = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        i_t, i_h, n_steps = _ws_score_tile(tile, n_tiles, T0, SEQ_T, H, G, LS, NP)
+        b = n_done % 2
+        mbarrier.wait(q_free.index(b), ((n_done // 2) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(b), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [(T0 + i_t * TT) // 4, i_h * (G // 2), 0, 0, 0], q_ready.index(b),
+                                        q_bufs.index(b))
+        k_bos = ((T0 + i_t * TT) // SEQ_T) * SEQ_TK       # the row's first compressed key
+        for j in range(n_steps):
+            s, ph = step % STAGES, (step // STAGES) & 1
+            mbarrier.wait(k_free.index(s), ph ^ 1)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_bos + j * BK, i_h * D], k_ready.index(s), k_bufs.index(s))
+            step += 1
+        n_done += 1
+
+
+@gluon.jit
+def _ws_score_consumer(scores, lse, q_bufs, k_bufs, q_ready, q_free, k_ready, k_free, half, n_tiles, scale_log2,
+                       T0, NT, SEQ_T, SEQ_TK, NB, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
+                       BK: gl.constexpr, STAGES: gl.constexpr, L: gl.constexpr, DS: gl.constexpr, LS: gl.constexpr,
+                       NP: gl.constexpr):
+    s_l: gl.constexpr = _ws_mma(128)                      # s^T [BK keys, 128 query rows]
+    TT: gl.constexpr = 256 // G                           # tokens a tile, TC a consumer
+    TC: gl.constexpr = 128 // G
+    CPS: gl.constexpr = LS // DS
+    col = gl.arange(0, 128, layout=gl.SliceLayout(0, s_l))
+    p_c = (col // (4 * G)) * 4 + (col // 2) % 4           # [128] each column's token in the consumer's TC
+    g_c = ((col // 8) % (G // 2)) * 2 + col % 2           # and head in the group
+    key = gl.arange(0, BK, layout=gl.SliceLayout(1, s_l))
+    w_own = _overlap((key % CPS) * DS, 0, L, LS, DS)      # [BK] Eq. 9's weights of each key's block and the next
+    w_next = _overlap((key % CPS) * DS, LS, L, LS, DS)
+    zero = gl.zeros([BK, 128], gl.float32, s_l)
+    step = 0
+    n_done = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        i_t, i_h, n_steps = _ws_score_tile(tile, n_tiles, T0, SEQ_T, H, G, LS, NP)
+        t_c = i_t * TT + half * TC + p_c                  # [128] window token of each column
+        m_c = t_c < NT
+        b_lse = gl.load(lse + ((T0 + t_c).to(gl.int64) * H + i_h) * G + g_c, mask=m_c, other=float("inf"))
+        b_lse = b_lse * 1.4426950408889634                # base 2; padding columns get p = 0
+        pos_c = (T0 + t_c) % SEQ_T
+        p_min = (T0 + i_t * TT) % SEQ_T                   # steps of keys every token sees need no mask
+        n_all = gl.minimum(gl.maximum((p_min - L + 1) // DS + 1, 0), SEQ_TK)
+        b = n_done % 2
+        mbarrier.wait(q_ready.index(b), (n_done // 2) & 1)
+        q_rows = q_bufs.index(b).reshape([256, D]).slice(half * 128, 128)
+        for j in range(n_steps):
+            s, ph = step % STAGES, (step // STAGES) & 1
+            mbarrier.wait(k_ready.index(s), ph)
+            b_s = warpgroup_mma(k_bufs.index(s), q_rows.permute((1, 0)), zero, use_acc=False, is_async=True)
+            b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))                      # [BK, 128]
+            mbarrier.arrive(k_free.index(s), count=1)
+            b_p = gl.exp2(b_s * scale_log2 - b_lse[None, :])                              # Eq. 8
+            if (j + 1) * BK > n_all:
+                ic = j * BK + key                                                         # [BK] relative key ids
+                vis = (ic[:, None] * DS + L - 1 <= pos_c[None, :]) & (ic < SEQ_TK)[:, None]
+                b_p = gl.where(vis, b_p, 0.)
+            b_pg = gl.reshape(gl.sum(gl.sum(gl.reshape(b_p, [BK, 32 // G, G // 2, 4, 2]), 4), 2), [BK, TC])  # Eq. 10
+            pg_l: gl.constexpr = b_pg.type.layout
+            w_o = gl.convert_layout(w_own, gl.SliceLayout(1, pg_l))
+            w_n = gl.convert_layout(w_next, gl.SliceLayout(1, pg_l))
+            own = gl.sum(gl.reshape(b_pg * w_o[:, None], [NP, CPS, TC]), 1)                   # [NP, TC] Eq. 9
+            spill = gl.sum(gl.reshape(b_pg * w_n[:, None], [NP, CPS, TC]), 1)
+            sc_l: gl.constexpr = own.type.layout                                          # stored as reduced
+            o_b = j * NP + gl.arange(0, NP, layout=gl.SliceLayout(1, sc_l))               # [NP] blocks
+            t_o = i_t * TT + half * TC + gl.arange(0, TC, layout=gl.SliceLayout(0, sc_l))  # [TC] window tokens
+            at = (t_o.to(gl.int64) * H + i_h)[None, :] * (2 * NB) + o_b[:, None]
+            m_o = (t_o < NT)[None, :] & (o_b < NB)[:, None]
+            gl.store(scores + at, own, mask=m_o)
+            gl.store(scores + at + NB, spill, mask=m_o)
+            step += 1
+        mbarrier.arrive(q_free.index(b), count=1)
+        n_done += 1
+
+
+@gluon.jit
+def _ws_score_kernel(q_desc, k_desc, scores, lse, scale_log2, T0, NT, n_tiles, SEQ_T, SEQ_TK, NB, H: gl.constexpr,
+                     G: gl.constexpr, D: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, L: gl.constexpr,
+                     DS: gl.constexpr, LS: gl.constexpr, NP: gl.constexpr):
+    """Eq. 9's own and spill parts of the block scores of tokens T0 .. T0 + NT into scores (NT, H, 2, NB)."""
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    q_ready = _ws_barriers(2, 1)
+    q_free = _ws_barriers(2, 2)                           # both consumers
+    k_ready = _ws_barriers(STAGES, 1)
+    k_free = _ws_barriers(STAGES, 2)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_ws_score_consumer, (scores, lse, q_bufs, k_bufs, q_ready, q_free, k_ready, k_free, 0, n_tiles, scale_log2,
+                              T0, NT, SEQ_T, SEQ_TK, NB, H, G, D, BK, STAGES, L, DS, LS, NP)),
+        (_ws_score_consumer, (scores, lse, q_bufs, k_bufs, q_ready, q_free, k_ready, k_free, 1, n_tiles, scale_log2,
+                              T0, NT, SEQ_T, SEQ_TK, NB, H, G, D, BK, STAGES, L, DS, LS, NP)),
+        (_ws_score_loader, (q_desc, k_desc, q_bufs, k_bufs, q_ready, q_free, k_ready, k_free, n_tiles, T0, SEQ_T,
+                            SEQ_TK, H, G, D, BK, STAGES, LS, NP)),
+    ], [4, 1], [240, 24])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1571,6 +1735,50 @@ def _select_smem(BT, BG, BKC, BD, NP, num_stages, itemsize):
     return (BT * BG + num_stages * BKC) * BD * itemsize + BT * NP * 4
 
 
+def _ws_select_applies(q, k_cmp, cmp_stride, sel_block, cu_seqlens):
+    """Whether block selection takes _ws_score_kernel and _top_kernel: the warp-specialised kernels' inputs
+    (_ws_applies), G from SELECT_WS_MIN_G to 32, no var-length input, whole tiles of 256 / G tokens in each row, and
+    l' / d compressed keys a selection block, a power of 2 up to 64 (a chunk of 64 keys holds whole blocks)."""
+    B, T, HQ, D = q.shape
+    G, cps = HQ // k_cmp.shape[2], sel_block // cmp_stride
+    return (cu_seqlens is None and SELECT_WS_MIN_G <= G <= 32 and T % (256 // G) == 0 and cps & (cps - 1) == 0
+            and cps <= 64 and _ws_applies(pack(q), pack(k_cmp), pack(k_cmp)))
+
+
+def _ws_select(q, k_cmp, lse, idx, l, d, ls, n, n_init, n_local, scale):
+    """Block selection by _ws_score_kernel and _top_kernel into idx (B*T, H, n), in windows of tokens whose scores
+    take at most SELECT_SCORE_BYTES."""
+    B, T, HQ, D = q.shape
+    Tc, H = k_cmp.shape[1], k_cmp.shape[2]
+    G, NT, NB = HQ // H, B * T, triton.cdiv(T, ls)
+    TT = 256 // G                                         # tokens a tile
+    # a strided view of Q whose [TT / 4, G / 2, 4, 2, D] box holds a tile's rows in the order _ws_score_consumer reads
+    q_desc = GluonDescriptor(pack(q), [NT // 4, HQ // 2, 4, 2, D], [4 * HQ * D, 2 * D, HQ * D, D, 1],
+                             [TT // 4, G // 2, 4, 2, D], gl.NVMMASharedLayout.get_default_for(
+                                 [TT // 4, G // 2, 4, 2, D], gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16))
+    k_desc = _ws_desc(pack(k_cmp).view(B * Tc, H * D), [64, D])
+    lse = pack(lse)
+    window = max(TT, SELECT_SCORE_BYTES // (H * 2 * NB * 4) // TT * TT)
+    scores = torch.empty(min(window, NT), H, 2, NB, device=q.device, dtype=torch.float32)
+    for t0 in range(0, NT, window):
+        nt = min(window, NT - t0)
+        n_tiles = nt // TT * H
+        _ws_score_kernel[(min(n_tiles, _sm_count(q.device)),)](
+            q_desc, k_desc, scores, lse, scale * math.log2(math.e), t0, nt, n_tiles, T, Tc, NB, H=H, G=G, D=D,
+            BK=64, STAGES=4, L=l, DS=d, LS=ls, NP=64 // (ls // d), num_warps=4)
+        _select_top(scores, idx, t0, nt, T, ls, n, n_init, n_local)
+
+
+def _select_top(scores, idx, t0, nt, T, ls, n, n_init, n_local):
+    """_top_kernel: tokens t0 .. t0 + nt of idx (B*T, H, n) from their block scores' parts scores (>= nt, H, 2, NB)
+    in rows of T tokens."""
+    H, NB = scores.shape[1], scores.shape[3]
+    NP = max(16, triton.next_power_of_2(n))
+    _top_kernel[(triton.cdiv(nt, SELECT_TOP_TOKENS), H)](
+        scores, idx, t0, nt, T, NB, H=H, LS=ls, NS=n, NP=NP, BT=SELECT_TOP_TOKENS, N_INIT=n_init, N_LOCAL=n_local,
+        LOG_NP=int(math.log2(NP)), N_DIMS=int(math.log2(NP * SELECT_TOP_TOKENS)), num_warps=1)
+
+
 @torch.library.custom_op("nsa::select", mutates_args=())
 def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block: int, cmp_stride: int,
               sel_block: int, n_select: int, n_init: int, n_local: int, scale: float,
@@ -1585,6 +1793,9 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
     else:
         _, seq, pos = sequences(B, T, cu_seqlens, q.device)
         seq, pos, cu_c = _i32(seq, pos, cu_seqlens_cmp)
+    if _ws_select_applies(q, k_cmp, cmp_stride, sel_block, cu_seqlens):
+        _ws_select(q, k_cmp, lse, idx, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale)
+        return idx.view(B, T, H, n_select)
     c = head_sizes(HQ, H, D, D)
     M, launch = _launch_cfg("select", q, k_cmp, k_cmp)
     BG = triton.next_power_of_2(c["G"])                   # padded rows: the kernel sums a token's heads by reshape

@@ -96,6 +96,7 @@ for shape in SHAPES:
     print(f"compiled {shape[:5]} {str(shape[5])[6:]}{' var-length' if shape[6] else ''}: {len(compiled)} variants",
           flush=True)
 sel_kernel.DS_MAX_BYTES = 0  # the query path's dq kernel, where its score gradients do not fit
+nk.SELECT_WS_MIN_G = 64  # and Triton's block selection at G = 16 (as where the Hopper one does not apply)
 layer(*SHAPES[0])
 for (name, dtypes, constexprs), shared in sorted(compiled.items()):
     print(f"{name:<28} {shared:>7} B  {','.join(dtypes)} {' '.join(f'{n}={v}' for n, v in constexprs)}")

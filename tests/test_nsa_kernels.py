@@ -356,6 +356,25 @@ def test_select_launch_fits_shared_memory(monkeypatch, G, D, lsel, n, dtype, tok
     assert stages < 3 or size(3) <= nk.SELECT_SMEM_PAIR or size(2) > nk.SELECT_SMEM_PAIR
 
 
+@pytest.mark.parametrize("n,n_init,n_local", [(16, 1, 2), (5, 0, 0), (3, 2, 1)])
+def test_select_top_equal_reference(n, n_init, n_local):
+    """_top_kernel (block selection's top n on Hopper) on Eq. 9's own and spill parts of two rows, in windows that
+    split a row: the reference's top_n of own[j] + spill[j - 1]. Scores from few values tie often (the lower block
+    wins); n = 16 exceeds the early tokens' blocks (-1 padding)."""
+    B, T, H, ls = 2, 200, 3, 16
+    NB = -(-T // ls)
+    g = torch.Generator().manual_seed(n)
+    parts = torch.randint(0, 4, (B * T, H, 2, NB), generator=g).float()
+    score = parts[:, :, 0].clone()
+    score[..., 1:] += parts[:, :, 1, :-1]
+    ref = na.top_n(score, (torch.arange(B * T) % T)[:, None], ls, n, n_init, n_local)
+    idx = torch.full((B * T, H, n), -7, dtype=torch.int32)
+    for t0, t1 in ((0, 136), (136, 400)):                      # windows of an op's scores buffer
+        nk._select_top(parts[t0:t1], idx, t0, t1 - t0, T, ls, n, n_init, n_local)
+    assert torch.equal(idx, ref), f"{(idx != ref).any(-1).sum().item()} of {B * T * H} rows differ"
+    assert (idx == -1).any() or n <= 3
+
+
 def test_select_blocks_varlen():
     cu = torch.tensor([0, 6, 6, 70, 150], dtype=torch.int32)
     idx, ref = run_sel(1, 150, 4, 2, 32, 8, 4, 16, 3, 1, 1, seed=6, cu=cu)
@@ -570,6 +589,28 @@ def test_select_blocks_gpu(G, D, lsel, n, dtype):
     for c in (None, cu):
         idx, ref = run_sel(1, 5000, 2 * G, 2, D, 32, 16, lsel, n, 1, 2, seed=G, cu=c, device="cuda", dtype=dtype)
         assert (idx != ref).any(-1).float().mean().item() <= 1e-3
+
+
+# (B, T, G, D, l', n): block selection by _ws_score_kernel and _top_kernel (whole tiles of 256 / G tokens a row)
+SEL_WS_GPU = [(1, 5120, 16, 128, 64, 16), (2, 2048, 8, 128, 64, 16), (1, 4096, 32, 64, 64, 16),
+              (1, 4096, 16, 128, 128, 32), (1, 512, 16, 64, 32, 8), (3, 96, 8, 128, 64, 16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,G,D,lsel,n", SEL_WS_GPU, ids=[f"B{b}-T{t}-G{g}-D{d}-l{ls}-n{n}"
+                                                          for b, t, g, d, ls, n in SEL_WS_GPU])
+def test_select_blocks_ws_gpu(monkeypatch, B, T, G, D, lsel, n):
+    """The Hopper block selection against the fp32 reference as test_select_blocks_gpu; scores held for windows of
+    about a fifth of the tokens (SELECT_SCORE_BYTES), so tiles of every window run; rows as short as 96 tokens (5
+    compressed keys, 2 selection blocks) and as long as 5120."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("Hopper kernels")
+    ws_select, calls = nk._ws_select, []
+    monkeypatch.setattr(nk, "_ws_select", lambda *a: calls.append(1) or ws_select(*a))
+    monkeypatch.setattr(nk, "SELECT_SCORE_BYTES", B * T * 2 * 2 * -(-T // lsel) * 4 // 5)
+    idx, ref = run_sel(B, T, 2 * G, 2, D, 32, 16, lsel, n, 1, 2, seed=G, device="cuda", dtype=torch.bfloat16)
+    assert calls == [1]
+    assert (idx != ref).any(-1).float().mean().item() <= 1e-3
 
 
 HOPPER_SHAPES = [(1, 128, False, torch.bfloat16), (2, 64, True, torch.float16), (4, 128, True, torch.bfloat16),
