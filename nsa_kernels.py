@@ -1735,35 +1735,35 @@ def _select_smem(BT, BG, BKC, BD, NP, num_stages, itemsize):
     return (BT * BG + num_stages * BKC) * BD * itemsize + BT * NP * 4
 
 
-def _ws_select_applies(q, k_cmp, cmp_stride, sel_block, cu_seqlens):
-    """Whether block selection takes _ws_score_kernel and _top_kernel: the warp-specialised kernels' inputs
-    (_ws_applies), G from SELECT_WS_MIN_G to 32, no var-length input, whole tiles of 256 / G tokens in each row, and
-    l' / d compressed keys a selection block, a power of 2 up to 64 (a chunk of 64 keys holds whole blocks)."""
-    B, T, HQ, D = q.shape
-    G, cps = HQ // k_cmp.shape[2], sel_block // cmp_stride
+def _ws_select_applies(qf, kf, T, cmp_stride, sel_block, cu_seqlens):
+    """Whether block selection takes _ws_score_kernel and _top_kernel for packed qf (B*T, HQ, D), kf (B*Tc, H, D):
+    the warp-specialised kernels' inputs (_ws_applies), G from SELECT_WS_MIN_G to 32, no var-length input, whole
+    tiles of 256 / G tokens in each row of T, and l' / d compressed keys a selection block, a power of 2 up to 64 (a
+    chunk of 64 keys holds whole blocks)."""
+    G, cps = qf.shape[1] // kf.shape[1], sel_block // cmp_stride
     return (cu_seqlens is None and SELECT_WS_MIN_G <= G <= 32 and T % (256 // G) == 0 and cps & (cps - 1) == 0
-            and cps <= 64 and _ws_applies(pack(q), pack(k_cmp), pack(k_cmp)))
+            and cps <= 64 and _ws_applies(qf, kf, kf))
 
 
-def _ws_select(q, k_cmp, lse, idx, l, d, ls, n, n_init, n_local, scale):
-    """Block selection by _ws_score_kernel and _top_kernel into idx (B*T, H, n), in windows of tokens whose scores
-    take at most SELECT_SCORE_BYTES."""
-    B, T, HQ, D = q.shape
-    Tc, H = k_cmp.shape[1], k_cmp.shape[2]
-    G, NT, NB = HQ // H, B * T, triton.cdiv(T, ls)
+def _ws_select(qf, kf, lse, idx, T, l, d, ls, n, n_init, n_local, scale):
+    """Block selection by _ws_score_kernel and _top_kernel into idx (B*T, H, n) for packed qf (B*T, HQ, D), kf
+    (B*Tc, H, D), lse (B*T, HQ) in rows of T tokens, in windows of tokens whose scores take at most
+    SELECT_SCORE_BYTES."""
+    NT, HQ, D = qf.shape
+    H = kf.shape[1]
+    Tc, G, NB = kf.shape[0] // (NT // T), HQ // H, triton.cdiv(T, ls)
     TT = 256 // G                                         # tokens a tile
     # a strided view of Q whose [TT / 4, G / 2, 4, 2, D] box holds a tile's rows in the order _ws_score_consumer reads
-    q_desc = GluonDescriptor(pack(q), [NT // 4, HQ // 2, 4, 2, D], [4 * HQ * D, 2 * D, HQ * D, D, 1],
+    q_desc = GluonDescriptor(qf, [NT // 4, HQ // 2, 4, 2, D], [4 * HQ * D, 2 * D, HQ * D, D, 1],
                              [TT // 4, G // 2, 4, 2, D], gl.NVMMASharedLayout.get_default_for(
-                                 [TT // 4, G // 2, 4, 2, D], gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16))
-    k_desc = _ws_desc(pack(k_cmp).view(B * Tc, H * D), [64, D])
-    lse = pack(lse)
+                                 [TT // 4, G // 2, 4, 2, D], gl.bfloat16 if qf.dtype == torch.bfloat16 else gl.float16))
+    k_desc = _ws_desc(kf.view(-1, H * D), [64, D])
     window = max(TT, SELECT_SCORE_BYTES // (H * 2 * NB * 4) // TT * TT)
-    scores = torch.empty(min(window, NT), H, 2, NB, device=q.device, dtype=torch.float32)
+    scores = torch.empty(min(window, NT), H, 2, NB, device=qf.device, dtype=torch.float32)
     for t0 in range(0, NT, window):
         nt = min(window, NT - t0)
         n_tiles = nt // TT * H
-        _ws_score_kernel[(min(n_tiles, _sm_count(q.device)),)](
+        _ws_score_kernel[(min(n_tiles, _sm_count(qf.device)),)](
             q_desc, k_desc, scores, lse, scale * math.log2(math.e), t0, nt, n_tiles, T, Tc, NB, H=H, G=G, D=D,
             BK=64, STAGES=4, L=l, DS=d, LS=ls, NP=64 // (ls // d), num_warps=4)
         _select_top(scores, idx, t0, nt, T, ls, n, n_init, n_local)
@@ -1793,8 +1793,9 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
     else:
         _, seq, pos = sequences(B, T, cu_seqlens, q.device)
         seq, pos, cu_c = _i32(seq, pos, cu_seqlens_cmp)
-    if _ws_select_applies(q, k_cmp, cmp_stride, sel_block, cu_seqlens):
-        _ws_select(q, k_cmp, lse, idx, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale)
+    qf, kf = pack(q), pack(k_cmp)                         # (B*T, HQ, D), (B*Tc, H, D)
+    if _ws_select_applies(qf, kf, T, cmp_stride, sel_block, cu_seqlens):
+        _ws_select(qf, kf, pack(lse), idx, T, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale)
         return idx.view(B, T, H, n_select)
     c = head_sizes(HQ, H, D, D)
     M, launch = _launch_cfg("select", q, k_cmp, k_cmp)
@@ -1813,7 +1814,7 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
     if launch["num_stages"] > 2 and smem(launch["num_stages"]) > SELECT_SMEM_PAIR >= smem(launch["num_stages"] - 1):
         launch["num_stages"] -= 1
     _select_kernel[(triton.cdiv(B * T, BT), H)](
-        pack(q), pack(k_cmp), pack(lse), idx, pos, seq, cu_c, scale * math.log2(math.e), B * T,
+        qf, kf, pack(lse), idx, pos, seq, cu_c, scale * math.log2(math.e), B * T,
         VARLEN=cu_seqlens is not None, SEQ_T=T, SEQ_TK=Tc,
         H=H, G=c["G"], BG=BG, BT=BT, D=D, BD=c["BD"], L=cmp_block, DS=cmp_stride, LS=sel_block,
         NS=n_select, NP=NP, BKC=BKC, N_INIT=n_init, N_LOCAL=n_local, LOG_NP=int(math.log2(NP)),
