@@ -375,6 +375,20 @@ def test_select_top_equal_reference(n, n_init, n_local):
     assert (idx == -1).any() or n <= 3
 
 
+def test_ws_select_rule(monkeypatch):
+    """Which inputs take the Hopper block selection (_ws_select_applies), its GPU checks (_ws_applies) aside: G from
+    SELECT_WS_MIN_G (8) to 32, rows of whole tiles of 256 / G tokens, l' / d = 2, 4 or 8, no var-length input."""
+    monkeypatch.setattr(nk, "_ws_applies", lambda *a: True)
+
+    def applies(G, T, ls=64, d=16, cu=None):
+        return nk._ws_select_applies(torch.zeros(T, 2 * G, 8), torch.zeros(3, 2, 8), T, d, ls, cu)
+    assert [applies(G, 256) for G in (4, 8, 16, 32, 64)] == [False, True, True, True, False]
+    assert [applies(16, T) for T in (16, 4096, 4104)] == [True, True, False]
+    assert applies(32, 4104)                                                    # tiles of 8 tokens
+    assert [applies(16, 256, ls) for ls in (16, 32, 64, 128, 256)] == [False, True, True, True, False]
+    assert not applies(16, 256, cu=torch.tensor([0, 256], dtype=torch.int32))
+
+
 def test_select_blocks_varlen():
     cu = torch.tensor([0, 6, 6, 70, 150], dtype=torch.int32)
     idx, ref = run_sel(1, 150, 4, 2, 32, 8, 4, 16, 3, 1, 1, seed=6, cu=cu)
@@ -591,15 +605,18 @@ def test_select_blocks_gpu(G, D, lsel, n, dtype):
         assert (idx != ref).any(-1).float().mean().item() <= 1e-3
 
 
-# (B, T, G, D, l', n): block selection by _ws_score_kernel and _top_kernel (whole tiles of 256 / G tokens a row)
-SEL_WS_GPU = [(1, 5120, 16, 128, 64, 16), (2, 2048, 8, 128, 64, 16), (1, 4096, 32, 64, 64, 16),
-              (1, 4096, 16, 128, 128, 32), (1, 512, 16, 64, 32, 8), (3, 96, 8, 128, 64, 16)]
+# (B, T, G, D, l', n, dtype): block selection by _ws_score_kernel and _top_kernel (whole tiles of 256 / G tokens a
+# row; l' / d = 4, 8 and 2)
+SEL_WS_GPU = [(1, 5120, 16, 128, 64, 16, torch.bfloat16), (2, 2048, 8, 128, 64, 16, torch.bfloat16),
+              (1, 4096, 32, 64, 64, 16, torch.bfloat16), (1, 4096, 16, 128, 128, 32, torch.bfloat16),
+              (1, 512, 16, 64, 32, 8, torch.bfloat16), (3, 96, 8, 128, 64, 16, torch.bfloat16),
+              (1, 2048, 16, 128, 64, 16, torch.float16)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,G,D,lsel,n", SEL_WS_GPU, ids=[f"B{b}-T{t}-G{g}-D{d}-l{ls}-n{n}"
-                                                          for b, t, g, d, ls, n in SEL_WS_GPU])
-def test_select_blocks_ws_gpu(monkeypatch, B, T, G, D, lsel, n):
+@pytest.mark.parametrize("B,T,G,D,lsel,n,dtype", SEL_WS_GPU, ids=[f"B{b}-T{t}-G{g}-D{d}-l{ls}-n{n}-{str(x)[6:]}"
+                                                                for b, t, g, d, ls, n, x in SEL_WS_GPU])
+def test_select_blocks_ws_gpu(monkeypatch, B, T, G, D, lsel, n, dtype):
     """The Hopper block selection against the fp32 reference as test_select_blocks_gpu; scores held for windows of
     about a fifth of the tokens (SELECT_SCORE_BYTES), so tiles of every window run; rows as short as 96 tokens (5
     compressed keys, 2 selection blocks) and as long as 5120."""
@@ -608,7 +625,7 @@ def test_select_blocks_ws_gpu(monkeypatch, B, T, G, D, lsel, n):
     ws_select, calls = nk._ws_select, []
     monkeypatch.setattr(nk, "_ws_select", lambda *a: calls.append(1) or ws_select(*a))
     monkeypatch.setattr(nk, "SELECT_SCORE_BYTES", B * T * 2 * 2 * -(-T // lsel) * 4 // 5)
-    idx, ref = run_sel(B, T, 2 * G, 2, D, 32, 16, lsel, n, 1, 2, seed=G, device="cuda", dtype=torch.bfloat16)
+    idx, ref = run_sel(B, T, 2 * G, 2, D, 32, 16, lsel, n, 1, 2, seed=G, device="cuda", dtype=dtype)
     assert calls == [1]
     assert (idx != ref).any(-1).float().mean().item() <= 1e-3
 
