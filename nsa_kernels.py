@@ -285,10 +285,11 @@ def _sm_count(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _ws_desc(x, box):
-    """A Gluon TMA descriptor of x whose loads are boxes of `box` elements (zeros past x's end)."""
+def _ws_desc(x, box, shape=None, strides=None):
+    """A Gluon TMA descriptor of x (or of the view of x's memory with these shape and strides) whose loads are boxes
+    of `box` elements (zeros past x's end)."""
     layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16)
-    return GluonDescriptor(x, list(x.shape), list(x.stride()), box, layout)
+    return GluonDescriptor(x, shape or list(x.shape), strides or list(x.stride()), box, layout)
 
 
 def pack_gate(gate):
@@ -1754,9 +1755,7 @@ def _ws_select(qf, kf, lse, idx, T, l, d, ls, n, n_init, n_local, scale):
     Tc, G, NB = kf.shape[0] // (NT // T), HQ // H, triton.cdiv(T, ls)
     TT = 256 // G                                         # tokens a tile
     # a strided view of Q whose [TT / 4, G / 2, 4, 2, D] box holds a tile's rows in the order _ws_score_consumer reads
-    q_desc = GluonDescriptor(qf, [NT // 4, HQ // 2, 4, 2, D], [4 * HQ * D, 2 * D, HQ * D, D, 1],
-                             [TT // 4, G // 2, 4, 2, D], gl.NVMMASharedLayout.get_default_for(
-                                 [TT // 4, G // 2, 4, 2, D], gl.bfloat16 if qf.dtype == torch.bfloat16 else gl.float16))
+    q_desc = _ws_desc(qf, [TT // 4, G // 2, 4, 2, D], [NT // 4, HQ // 2, 4, 2, D], [4 * HQ * D, 2 * D, HQ * D, D, 1])
     k_desc = _ws_desc(kf.view(-1, H * D), [64, D])
     window = max(TT, SELECT_SCORE_BYTES // (H * 2 * NB * 4) // TT * TT)
     scores = torch.empty(min(window, NT), H, 2, NB, device=qf.device, dtype=torch.float32)
@@ -1788,15 +1787,15 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
     idx = torch.empty(B * T, H, n_select, device=q.device, dtype=torch.int32)
     if B * T == 0:
         return idx.view(B, T, H, n_select)
+    qf, kf = pack(q), pack(k_cmp)                         # (B*T, HQ, D), (B*Tc, H, D)
+    if _ws_select_applies(qf, kf, T, cmp_stride, sel_block, cu_seqlens):
+        _ws_select(qf, kf, pack(lse), idx, T, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale)
+        return idx.view(B, T, H, n_select)
     if cu_seqlens is None:                                # the kernel computes positions itself
         seq = pos = cu_c = idx
     else:
         _, seq, pos = sequences(B, T, cu_seqlens, q.device)
         seq, pos, cu_c = _i32(seq, pos, cu_seqlens_cmp)
-    qf, kf = pack(q), pack(k_cmp)                         # (B*T, HQ, D), (B*Tc, H, D)
-    if _ws_select_applies(qf, kf, T, cmp_stride, sel_block, cu_seqlens):
-        _ws_select(qf, kf, pack(lse), idx, T, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale)
-        return idx.view(B, T, H, n_select)
     c = head_sizes(HQ, H, D, D)
     M, launch = _launch_cfg("select", q, k_cmp, k_cmp)
     BG = triton.next_power_of_2(c["G"])                   # padded rows: the kernel sums a token's heads by reshape
