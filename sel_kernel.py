@@ -50,7 +50,8 @@ from nsa_kernels import (_ws_barriers, _ws_desc, _ws_fwd_finish, _ws_load_rows, 
 # - the ids' index is built once per call, before the forward, by the op nsa::sel_index, and kept for the backward:
 #   the ids cleaned by a small kernel (out of [0, t // l'] or repeating an earlier slot's -> -1), which also writes
 #   each pair's sort key, and each window's reverse index: one sort of its keys, then lists and chunks found by
-#   binary search at the granularity of blocks and chunks (no pass over the pairs but the sort).
+#   binary search at the granularity of blocks and chunks (no pass over the pairs but the sort). The query path's
+#   forward reads no reverse index, so there its backward builds it.
 # - on Hopper (nsa_kernels._ws_applies: HOPPER_WS, 16-bit, heads of 64 or 128) two of these run as warp-specialised
 #   Gluon kernels, as nsa_kernels' compressed branch does: the query path's dk/dv at G >= 8 and the forward's union
 #   tiles where they run unsplit (their sections say how; RESULTS.md what they gain).
@@ -1149,23 +1150,21 @@ def _plan(NT, HQ, H, NS, D, DV, sel_block, elem):
 
 def _index(block_indices: torch.Tensor, sel_block: int, cu_seqlens: Optional[torch.Tensor], window: int,
            chunk: int, tile: int) -> list[torch.Tensor]:
-    """What the forward and the backward both take from the ids, built once per call (the op nsa::sel_index) for
-    the windows of `window` tokens and chunks of `chunk` pairs that _plan gives: the cleaned ids (NT, H, n), pos and
-    seq (NT,) int32 (each token's position inside its own sequence, which restarts at each cu_seqlens offset, and
-    that sequence's index), the union tiles of `tile` tokens (union_tiles' three tensors; empty ones for tile 0),
-    then each window's reverse index (_reverse_index's six tensors; none without tokens or slots). A pure function
-    of its arguments, as its fake must be."""
+    """What the forward and the backward both take from the ids, built once per call (the op nsa::sel_index): the
+    cleaned ids (NT, H, n), pos and seq (NT,) int32 (each token's position inside its own sequence, which restarts at
+    each cu_seqlens offset, and that sequence's index), the union tiles of `tile` tokens (union_tiles' three
+    tensors; empty ones for tile 0), the pairs' sort keys (_clean_indices'), then for windows of `window` tokens and
+    chunks of `chunk` pairs (_plan's) each window's reverse index (_reverse_indices; none for window 0, as on the
+    query path, whose forward reads none: its backward builds them from the keys). A pure function of its
+    arguments, as its fake must be."""
     B, T, H, NS = block_indices.shape
     cu, seq, pos = sequences(B, T, cu_seqlens, block_indices.device)
     pos, seq = pos.to(torch.int32), seq.to(torch.int32)
     NB = _num_blocks(B * T, sel_block, cu.numel() - 1)
     idx, key = _clean_indices(pack(block_indices), pos, seq, sel_block, NB)
-    index = [idx, pos, seq, *(union_tiles(idx, pos, tile, sel_block) if tile and NS else
-                                (pos.new_empty(0) for _ in range(3)))]
-    if NS:
-        for t0, t1 in _windows(B * T, window):
-            index += _reverse_index(key[t0 * H * NS:t1 * H * NS], idx[t0:t1], pos, t0, sel_block, NB, chunk)
-    return index
+    tiles = union_tiles(idx, pos, tile, sel_block) if tile and NS else [pos.new_empty(0) for _ in range(3)]
+    return [idx, pos, seq, *tiles, key, *_reverse_indices(idx, pos, key, _windows(B * T, window) if window else [],
+                                                          sel_block, NB, chunk)]
 
 
 def _index_fake(block_indices, sel_block, cu_seqlens, window, chunk, tile):
@@ -1174,10 +1173,11 @@ def _index_fake(block_indices, sel_block, cu_seqlens, window, chunk, tile):
     NT, n_seq = B * T, B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     new = block_indices.new_empty
     tiles = H * triton.cdiv(NT, tile) if tile and NS else 0
-    index = [new(NT, H, NS), new(NT), new(NT), *([new(H, NT), new(tiles, tile * NS), new(tiles)] if tiles else
-                                                 [new(0) for _ in range(3)])]
     NB = _num_blocks(NT, sel_block, n_seq)
-    for t0, t1 in _windows(NT, window) if NS else []:
+    index = [new(NT, H, NS), new(NT), new(NT), *([new(H, NT), new(tiles, tile * NS), new(tiles)] if tiles else
+                                                 [new(0) for _ in range(3)]),
+             new(NT * H * NS, dtype=_key_dtype(H * NB))]
+    for t0, t1 in _windows(NT, window) if NS and window else []:
         E, NC, perm_dtype = _index_sizes(t1 - t0, H, NS, NB, chunk)
         index += [new(E, dtype=perm_dtype), *[new(NC, dtype=torch.int64) for _ in range(3)], new(H * NB), new(H * NB)]
     return index
@@ -1187,13 +1187,20 @@ sel_index = torch.library.custom_op("nsa::sel_index", _index, mutates_args=())
 sel_index.register_fake(_index_fake)
 
 
+def _reverse_indices(idx, pos, key, windows, sel_block, NB, chunk):
+    """_reverse_index of each token window (t0, t1) of the cleaned ids idx (NT, H, n) and their sort keys, flat."""
+    H, NS = idx.shape[1], idx.shape[2]
+    return [x for t0, t1 in (windows if NS else []) for x in
+            _reverse_index(key[t0 * H * NS:t1 * H * NS], idx[t0:t1], pos, t0, sel_block, NB, chunk)]
+
+
 def _window_index(index, windows, H, NS):
-    """The reverse index of each window out of index (nsa::sel_index's), or None if index was built for other
-    windows (or is []): then the op builds its own."""
-    if len(index) != 6 + 6 * len(windows) or any(index[6 + 6 * w].numel() != (t1 - t0) * H * NS
+    """The reverse index of each window out of index (nsa::sel_index's), or None if index holds none or one for
+    other windows."""
+    if len(index) != 7 + 6 * len(windows) or any(index[7 + 6 * w].numel() != (t1 - t0) * H * NS
                                                  for w, (t0, t1) in enumerate(windows)):
         return None
-    return [index[6 + 6 * w: 12 + 6 * w] for w in range(len(windows))]
+    return [index[7 + 6 * w: 13 + 6 * w] for w in range(len(windows))]
 
 
 def _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_log2):
@@ -1217,19 +1224,22 @@ def _fwd_key(qf, kf, vf, gf, idx, pos, per_window, windows, rows, c, NS, scale_l
     return o, lse
 
 
-def _prepare(q, k, v, block_indices, sel_block, cu_seqlens, index):
-    """Sizes, the plan, the packed q, k, v, and the index: the one given (nsa::sel_index's) where it fits the plan
-    (CONFIG may have changed since a compiled graph was traced), else built here (its union tiles then by
-    _union_index)."""
+def _prepare(q, k, v, block_indices, sel_block, cu_seqlens, index, backward):
+    """Sizes, the plan, the packed q, k, v, and the index: the one given (nsa::sel_index's), else built here (its
+    union tiles then by _union_index); with the reverse index of the plan's windows (CONFIG may have changed since a
+    compiled graph was traced) where the pass reads it: the backward, and the key path's forward."""
     B, T, HQ, D = q.shape
     H, NS, DV = k.shape[2], block_indices.shape[3], v.shape[3]
     c = _sizes(HQ, H, D, DV, sel_block)
     key_path, W, rows, chunk = _plan(B * T, HQ, H, NS, D, DV, sel_block, q.element_size())
     windows = _windows(B * T, W)
+    if not index:
+        index = _index(block_indices, sel_block, cu_seqlens, 0, chunk, 0)
     per_window = _window_index(index, windows, H, NS)
-    if per_window is None:
-        index = _index(block_indices, sel_block, cu_seqlens, W, chunk, 0)
-        per_window = _window_index(index, windows, H, NS)
+    if per_window is None and (backward or key_path):
+        NB = _num_blocks(B * T, sel_block, B if cu_seqlens is None else cu_seqlens.numel() - 1)
+        flat = _reverse_indices(index[0], index[1], index[6], windows, sel_block, NB, chunk)
+        per_window = [flat[6 * w: 6 * w + 6] for w in range(len(windows))]
     return c, NS, key_path, windows, rows, per_window, pack(q), pack(k), pack(v), *index[:3], index[3:6]
 
 
@@ -1247,7 +1257,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
     if NT == 0 or block_indices.shape[3] == 0:  # nothing to attend to: o = 0, lse = -inf
         return q.new_zeros(B, T, HQ, DV), q.new_full((B, T, HQ), float("-inf"), dtype=torch.float32)
     c, NS, key_path, windows, rows, per_window, qf, kf, vf, idx, pos, _, tiles = _prepare(
-        q, k, v, block_indices, sel_block, cu_seqlens, index)
+        q, k, v, block_indices, sel_block, cu_seqlens, index, backward=False)
     gf = pack_gate(gate)
     scale_log2 = scale * math.log2(math.e)
     if key_path:
@@ -1277,7 +1287,7 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 gate_grad(q.new_zeros(B, T, HQ, dtype=torch.float32), gate))
     c, NS, key_path, windows, rows, per_window, qf, kf, vf, idx, pos, seq, tiles = _prepare(
-        q, k, v, block_indices, sel_block, cu_seqlens, index)
+        q, k, v, block_indices, sel_block, cu_seqlens, index, backward=True)
     of, dof = o.reshape(NT, HQ, DV).contiguous(), do.reshape(NT, HQ, DV).contiguous()
     H = c["H"]
     scale_log2 = scale * math.log2(math.e)
@@ -1374,12 +1384,13 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
         raise ValueError(f"cu_seqlens must be int32 (N + 1,) with B == 1, got {cu_seqlens.dtype} "
                          f"{tuple(cu_seqlens.shape)} with B={B}")
     scale = D ** -0.5 if scale is None else float(scale)
-    _, window, _, chunk = _plan(B * T, HQ, k.shape[2], block_indices.shape[3], D, v.shape[3], int(sel_block),
+    key_path, window, _, chunk = _plan(B * T, HQ, k.shape[2], block_indices.shape[3], D, v.shape[3], int(sel_block),
                                 q.element_size())
     G = HQ // k.shape[2]
     # the forward's union tiles are built once, for the dq too (where the forward runs one token a tile, the dq
-    # builds its own)
+    # builds its own); the reverse index here only for the key path's forward (the query path's backward builds it)
     M, union, _ = _query_launch("fwd", G, T, max(D, v.shape[3]), q.device)
-    index = sel_index(block_indices, int(sel_block), cu_seqlens, window, chunk, M // G if union else 0)
+    index = sel_index(block_indices, int(sel_block), cu_seqlens, window if key_path else 0, chunk,
+                      M // G if union else 0)
     return sel_attn_fwd(q, k, v, gate, block_indices, int(sel_block), scale, cu_seqlens, index)[0]
 

@@ -458,9 +458,9 @@ def test_reverse_index_lists_each_blocks_pairs_in_token_order(monkeypatch):
     idx = random_indices(1, T, H, n, l, seed=12, cu_seqlens=cu)
     index = sel_kernel._index(idx, l, cu, W, chunk, 0)
     cleaned, pos, seq = index[:3]
-    NB = index[10].numel() // H
+    NB = index[11].numel() // H
     for w, t0 in enumerate(range(0, T, W)):
-        perm, c_begin, c_end, c_key, seg_c0, seg_c1 = index[6 + 6 * w:12 + 6 * w]
+        perm, c_begin, c_end, c_key, seg_c0, seg_c1 = index[7 + 6 * w:13 + 6 * w]
         want = {}                                                               # c_key -> its pairs, loop order
         for t in range(t0, min(T, t0 + W)):
             for h in range(H):
@@ -490,30 +490,38 @@ def test_reverse_index_lists_each_blocks_pairs_in_token_order(monkeypatch):
 @pytest.mark.parametrize("windows", [1, 3])
 def test_index_built_once_and_its_fake_matches(path, windows, monkeypatch):
     """nsa::sel_index builds the ids' index once per call: forward and backward take it and build none of their own;
-    its fake (for torch.compile) gives every tensor's shape and dtype, union tiles' too; an index built for another
-    plan (here other token windows) is rebuilt, and the result stays right."""
+    on the query path it holds no reverse index, which only the backward builds (once per window, from the index's
+    sort keys); its fake (for torch.compile) gives every tensor's shape and dtype, union tiles' too; an index built
+    for another plan (here other token windows) gets the plan's reverse index, and the result stays right."""
     B, T, HQ, H, n, l = 1, 40, 4, 2, 3, 16
     cu = torch.tensor([0, 17, 40], dtype=torch.int32)
     monkeypatch.setattr(sel_kernel, "KEY_WINDOW_ROWS", HQ * n * -(-T // windows))  # the key path: that many windows
     idx = random_indices(B, T, H, n, l, seed=13, cu_seqlens=cu)
     plan = sel_kernel._plan(T, HQ, H, n, 32, 32, l, 2)
-    for tile in (4, 0):
-        index = sel_kernel._index(idx, l, cu, *plan[1::2], tile)
-        fake = sel_kernel._index_fake(idx, l, cu, *plan[1::2], tile)
-        assert len(index) == 6 + 6 * (windows if path == "key" else 1) and index[4].numel() == (tile > 0) * T * n * H
-        assert [(x.shape, x.dtype) for x in index] == [(x.shape, x.dtype) for x in fake]
-        torch.library.opcheck(sel_kernel.sel_index, (idx, l, cu, *plan[1::2], tile))
-    built, index_fn = [], sel_kernel._index
+    for window in (plan[1], 0):
+        for tile in (4, 0):
+            index = sel_kernel._index(idx, l, cu, window, plan[3], tile)
+            fake = sel_kernel._index_fake(idx, l, cu, window, plan[3], tile)
+            assert len(index) == 7 + 6 * (window > 0) * (windows if path == "key" else 1)
+            assert index[4].numel() == (tile > 0) * T * n * H
+            assert [(x.shape, x.dtype) for x in index] == [(x.shape, x.dtype) for x in fake]
+            torch.library.opcheck(sel_kernel.sel_index, (idx, l, cu, window, plan[3], tile))
+    stale = sel_kernel._index(idx, l, cu, plan[1], plan[3], 0)                 # reverse index of the plan's windows
+    built, index_fn, reverse, reverse_fn = [], sel_kernel._index, [], sel_kernel._reverse_index
     monkeypatch.setattr(sel_kernel, "_index", lambda *a: built.append(a) or index_fn(*a))
+    monkeypatch.setattr(sel_kernel, "_reverse_index", lambda *a: reverse.append(a) or reverse_fn(*a))
+    q, k, v = randn((B, T, HQ, 32), (B, T, H, 32), (B, T, H, 32), seed=13)
+    sel_kernel.selection_attention_triton(q, k, v, idx, l, None, cu)
+    assert not built and len(reverse) == (windows if path == "key" else 0)   # the query path's forward: none
+    reverse.clear()
     out, ref = run_both(B, T, HQ, H, 32, 32, n, l, torch.float32, idx=idx, cu_seqlens=cu, seed=13)
-    assert not built
+    assert not built and len(reverse) == (windows if path == "key" else 1)   # sel_index's; the backward's
     for a, b in zip(out, ref):
         assert rel_rmse(a, b) <= 1e-5
+    reverse.clear()
     monkeypatch.setattr(sel_kernel, "KEY_WINDOW_ROWS", HQ * n * -(-T // (windows + 1)))
-    q, k, v = randn((B, T, HQ, 32), (B, T, H, 32), (B, T, H, 32), seed=13)
-    o_stale = sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, 32 ** -0.5, cu, index)[0]
-    assert len(built) == (1 if path == "key" else 0)                            # the key path's windows differ
-    monkeypatch.setattr(sel_kernel, "_index", index_fn)
+    o_stale = sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, 32 ** -0.5, cu, stale)[0]
+    assert not built and len(reverse) == (windows + 1 if path == "key" else 0)  # the key path's windows differ
     assert torch.equal(o_stale, sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, 32 ** -0.5, cu, [])[0])
 
 
