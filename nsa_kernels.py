@@ -21,7 +21,8 @@ public functions at the bottom; test_nsa_kernels.py and test_decode.py check the
 # that spills into the next chunk), packs (score bits, -j) into one int64 and merges it into a running sorted top-NP
 # list (bitonic merge: the top-NP of two sorted lists is max(a_desc, b_asc)). Only the (B, T, H, n) int32 indices are
 # written. On Hopper from G = 8 (_ws_select_applies) a warp-specialised kernel writes the block scores instead, for
-# windows of tokens, and _top_kernel merges them into the top n the same way (the merge off the tensor cores' path).
+# windows of tokens, and _ws_top_kernel merges them into the top n the same way, one token a thread (the merge off
+# the tensor cores' path).
 #
 # Decode: one query token per row over nsa_attention.nsa_cache in four launches (see "decode kernels" below).
 # The file reads: shared pieces -> range attention kernels -> their Hopper versions (Gluon) -> selection kernel ->
@@ -71,7 +72,6 @@ SELECT_SMEM_PAIR = 113 * 1024  # "select": two programs share a Hopper multiproc
 #                                reserved) up to this many bytes each (_select_smem)
 SELECT_WS_MIN_G = 8  # block selection on Hopper takes _ws_score_kernel from this G (at G = 4 it was slower, RESULTS)
 SELECT_SCORE_BYTES = 2 ** 29  # and its block scores are held for windows of tokens of at most this many bytes
-SELECT_TOP_TOKENS = 8  # tokens a _top_kernel program
 SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entries, here and in sel_kernel.py
 DKV_CHUNK = 256  # compressed dk/dv: fewest tokens per query chunk, and the grid aims at DKV_PROGRAMS programs
 DKV_PROGRAMS = 2048
@@ -1197,30 +1197,8 @@ def _store_top(idx, top, t_b, m_b, i_h, H: tl.constexpr, NS: tl.constexpr, NP: t
              mask=m_b[:, None] & (o_s < NS)[None, :])
 
 
-@triton.jit
-def _top_kernel(scores, idx, T0, NT, SEQ_T, NB, H: tl.constexpr, LS: tl.constexpr, NS: tl.constexpr,
-                NP: tl.constexpr, BT: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
-                LOG_NP: tl.constexpr, N_DIMS: tl.constexpr):
-    """Top-n of the block scores _ws_score_kernel wrote for tokens T0 .. T0 + NT (scores (NT, H, 2, NB): Eq. 9's own
-    and spill parts, block j's score own[j] + spill[j - 1]), BT tokens of one kv head a program."""
-    i_t, i_h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)    # the longest rows first
-    t_w = i_t * BT + tl.arange(0, BT)                     # [BT] tokens of the window
-    m_b = t_w < NT
-    tb = ((T0 + t_w) % SEQ_T) // LS
-    o_j = tl.arange(0, NP)
-    row = (t_w.to(tl.int64) * H + i_h) * (2 * NB)
-    top = tl.full([BT, NP], -1, tl.int64)
-    for j0 in range(0, tl.max(tl.where(m_b, tb + 1, 0), 0), NP):
-        jj = j0 + o_j
-        m_j = m_b[:, None] & (jj[None, :] <= tb[:, None])
-        b_sc = tl.load(scores + row[:, None] + jj[None, :], mask=m_j, other=0.)
-        b_sc += tl.load(scores + row[:, None] + NB - 1 + jj[None, :], mask=m_j & (jj >= 1)[None, :], other=0.)
-        top = _merge_top(top, b_sc, jj, m_b, tb, N_INIT, N_LOCAL, LOG_NP, N_DIMS)
-    _store_top(idx, top, T0 + t_w, m_b, i_h, H, NS, NP, LOG_NP, N_DIMS)
-
-
 # block scores on Hopper (_ws_select_applies): a warp-specialised Gluon kernel writes Eq. 9's two parts of every
-# block's score and _top_kernel picks the top n (the merge is off the tensor cores' path). Persistent over tiles of
+# block's score and _ws_top_kernel picks the top n (the merge is off the tensor cores' path). Persistent over tiles of
 # 256 / G tokens x the G heads of one kv head; a loader warp brings the tile's Q (one TMA box of a strided view whose
 # rows come in the order below) and chunks of BK compressed keys; two consumer warpgroups take 128 query rows each
 # and compute s^T = K Q^T [BK, 128] (keys on the rows): a thread of a wgmma accumulator holds the columns
@@ -1235,6 +1213,12 @@ def _ws_score_tile(tile, n_tiles, T0, SEQ_T, H: gl.constexpr, G: gl.constexpr, L
     i_t, i_h = u // H, u % H
     p_last = (T0 + (i_t + 1) * (256 // G) - 1) % SEQ_T                   # position of the tile's last token
     return i_t, i_h, gl.cdiv(p_last // LS + 1, NP)
+
+
+@gluon.jit
+def _ws_head_sum(b_p, BK: gl.constexpr, G: gl.constexpr, TC: gl.constexpr):
+    """Eq. 10: [BK, 128] probabilities, columns in the order above -> [BK, TC] sums over each token's G heads."""
+    return gl.reshape(gl.sum(gl.sum(gl.reshape(b_p, [BK, 32 // G, G // 2, 4, 2]), 4), 2), [BK, TC])
 
 
 @gluon.jit
@@ -1275,9 +1259,11 @@ def _ws_score_consumer(scores, lse, q_bufs, k_bufs, q_ready, q_free, k_ready, k_
     p_c = (col // (4 * G)) * 4 + (col // 2) % 4           # [128] each column's token in the consumer's TC
     g_c = ((col // 8) % (G // 2)) * 2 + col % 2           # and head in the group
     key = gl.arange(0, BK, layout=gl.SliceLayout(1, s_l))
-    w_own = _overlap((key % CPS) * DS, 0, L, LS, DS)      # [BK] Eq. 9's weights of each key's block and the next
-    w_next = _overlap((key % CPS) * DS, LS, L, LS, DS)
     zero = gl.zeros([BK, 128], gl.float32, s_l)
+    pg_l: gl.constexpr = _ws_head_sum(zero, BK, G, TC).type.layout                    # Eq. 10's sums' layout
+    key_pg = gl.arange(0, BK, layout=gl.SliceLayout(1, pg_l))
+    w_own = _overlap((key_pg % CPS) * DS, 0, L, LS, DS)   # [BK] Eq. 9's weights of each key's block and the next
+    w_next = _overlap((key_pg % CPS) * DS, LS, L, LS, DS)
     step = 0
     n_done = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -1303,12 +1289,9 @@ def _ws_score_consumer(scores, lse, q_bufs, k_bufs, q_ready, q_free, k_ready, k_
                 ic = j * BK + key                                                         # [BK] relative key ids
                 vis = (ic[:, None] * DS + L - 1 <= pos_c[None, :]) & (ic < SEQ_TK)[:, None]
                 b_p = gl.where(vis, b_p, 0.)
-            b_pg = gl.reshape(gl.sum(gl.sum(gl.reshape(b_p, [BK, 32 // G, G // 2, 4, 2]), 4), 2), [BK, TC])  # Eq. 10
-            pg_l: gl.constexpr = b_pg.type.layout
-            w_o = gl.convert_layout(w_own, gl.SliceLayout(1, pg_l))
-            w_n = gl.convert_layout(w_next, gl.SliceLayout(1, pg_l))
-            own = gl.sum(gl.reshape(b_pg * w_o[:, None], [NP, CPS, TC]), 1)                   # [NP, TC] Eq. 9
-            spill = gl.sum(gl.reshape(b_pg * w_n[:, None], [NP, CPS, TC]), 1)
+            b_pg = _ws_head_sum(b_p, BK, G, TC)                                           # [BK, TC] Eq. 10
+            own = gl.sum(gl.reshape(b_pg * w_own[:, None], [NP, CPS, TC]), 1)               # [NP, TC] Eq. 9
+            spill = gl.sum(gl.reshape(b_pg * w_next[:, None], [NP, CPS, TC]), 1)
             sc_l: gl.constexpr = own.type.layout                                          # stored as reduced
             o_b = j * NP + gl.arange(0, NP, layout=gl.SliceLayout(1, sc_l))               # [NP] blocks
             t_o = i_t * TT + half * TC + gl.arange(0, TC, layout=gl.SliceLayout(0, sc_l))  # [TC] window tokens
@@ -1341,6 +1324,74 @@ def _ws_score_kernel(q_desc, k_desc, scores, lse, scale_log2, T0, NT, n_tiles, S
         (_ws_score_loader, (q_desc, k_desc, q_bufs, k_bufs, q_ready, q_free, k_ready, k_free, n_tiles, T0, SEQ_T,
                             SEQ_TK, H, G, D, BK, STAGES, LS, NP)),
     ], [4, 1], [240, 24])
+
+
+# the top n on Hopper: one token a thread, so that each step of the bitonic network is a compare-exchange between two
+# registers of that thread (sort_rows' network, with no shuffles); the scores arrive in a coalesced layout and move
+# to that one (through shared memory)
+
+@gluon.jit
+def _row_pairs(x, d: gl.constexpr):
+    """x [R, NP] -> (its columns j with j & d == 0, their partners j + d), [R, NP / 2d, d] each."""
+    R: gl.constexpr = x.shape[0]
+    NP: gl.constexpr = x.shape[1]
+    return gl.split(gl.permute(gl.reshape(x, [R, NP // (2 * d), 2, d]), (0, 1, 3, 2)))
+
+
+@gluon.jit
+def _row_sort(x, jj, DESC: gl.constexpr, MERGE_ONLY: gl.constexpr, LOG_NP: gl.constexpr):
+    """sort_rows for x [R, NP] whose rows each lie in one thread; jj [R, NP] the column numbers."""
+    for s in gl.static_range(LOG_NP if MERGE_ONLY else 1, LOG_NP + 1):
+        if s < LOG_NP:
+            up = ((jj >> s) & 1) == 0                     # blocks of 2^s columns ascending, descending, ...
+        else:
+            up = (jj >= 0) != DESC
+        for i in gl.static_range(s):
+            a, b = _row_pairs(x, 1 << (s - 1 - i))
+            up_a, _ = _row_pairs(up, 1 << (s - 1 - i))
+            swap = (a > b) == up_a
+            x = gl.permute(gl.join(gl.where(swap, b, a), gl.where(swap, a, b)), (0, 1, 3, 2))
+            x = gl.convert_layout(gl.reshape(x, [jj.shape[0], jj.shape[1]]), jj.type.layout)
+    return x
+
+
+@gluon.jit
+def _ws_top_kernel(scores, idx, T0, NT, SEQ_T, NB, H: gl.constexpr, LS: gl.constexpr, NS: gl.constexpr,
+                   NP: gl.constexpr, N_INIT: gl.constexpr, N_LOCAL: gl.constexpr, LOG_NP: gl.constexpr):
+    """Top-n of the block scores _ws_score_kernel wrote for tokens T0 .. T0 + NT (scores (NT, H, 2, NB): Eq. 9's own
+    and spill parts, block j's score own[j] + spill[j - 1]), 32 tokens a warp, of one kv head a program. The merge
+    is _merge_top's; _store_top's store."""
+    row_l: gl.constexpr = gl.BlockedLayout([1, NP], [32, 1], [gl.num_warps(), 1], [1, 0])   # a token a thread
+    load_l: gl.constexpr = gl.BlockedLayout([1, 4], [128 // NP, NP // 4], [gl.num_warps(), 1], [1, 0])  # NP 16, 32
+    BT: gl.constexpr = 32 * gl.num_warps()
+    i_t, i_h = gl.num_programs(0) - 1 - gl.program_id(0), gl.program_id(1)    # the longest rows first
+    t_w = i_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, row_l))     # [BT] tokens of the window
+    m_b = t_w < NT
+    tb = ((T0 + t_w) % SEQ_T) // LS
+    o_j = gl.arange(0, NP, layout=gl.SliceLayout(0, row_l))[None, :] + 0 * t_w[:, None]   # [BT, NP] columns
+    t_l = i_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, load_l))    # the same tokens in the load layout
+    m_l = t_l < NT
+    tb_l = ((T0 + t_l) % SEQ_T) // LS
+    row = ((t_l.to(gl.int64) * H + i_h) * (2 * NB))[:, None]
+    c_l = gl.arange(0, NP, layout=gl.SliceLayout(0, load_l))[None, :]
+    # _merge_top's keys, as doubles: a positive int64's bits order like the finite double they spell, and a double
+    # compare-exchange takes fewer instructions (no candidate: 0, not -1, which would spell a NaN)
+    top = gl.full([BT, NP], 0., gl.float64, row_l)
+    for j0 in range(0, gl.max(gl.where(m_b, tb + 1, 0), 0), NP):
+        jj = j0 + c_l
+        m_j = m_l[:, None] & (jj <= tb_l[:, None])
+        b_sc = gl.load(scores + row + jj, mask=m_j, other=0.)
+        b_sc += gl.load(scores + row + NB - 1 + jj, mask=m_j & (jj >= 1), other=0.)
+        jj = j0 + o_j
+        b_sc = gl.where((jj < N_INIT) | (jj > tb[:, None] - N_LOCAL), float("inf"), gl.convert_layout(b_sc, row_l))
+        key = (b_sc.to(gl.int32, bitcast=True).to(gl.int64) << 32) | (INT_MAX - jj).to(gl.int64)
+        key = gl.where(m_b[:, None] & (jj <= tb[:, None]), key, 0).to(gl.float64, bitcast=True)
+        top = _row_sort(gl.maximum(top, _row_sort(key, o_j, 0, 0, LOG_NP)), o_j, 1, 1, LOG_NP)
+    top = top.to(gl.int64, bitcast=True)
+    j = gl.where((o_j < NS) & (top > 0), (INT_MAX - (top & INT_MAX)).to(gl.int32), INT_MAX)
+    j = _row_sort(j, o_j, 0, 0, LOG_NP)                    # ascending, padding last
+    gl.store(idx + ((T0 + t_w).to(gl.int64) * H + i_h)[:, None] * NS + o_j, gl.where(j == INT_MAX, -1, j),
+             mask=m_b[:, None] & (o_j < NS))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1736,18 +1787,18 @@ def _select_smem(BT, BG, BKC, BD, NP, num_stages, itemsize):
     return (BT * BG + num_stages * BKC) * BD * itemsize + BT * NP * 4
 
 
-def _ws_select_applies(qf, kf, T, cmp_stride, sel_block, cu_seqlens):
-    """Whether block selection takes _ws_score_kernel and _top_kernel for packed qf (B*T, HQ, D), kf (B*Tc, H, D):
+def _ws_select_applies(qf, kf, T, cmp_stride, sel_block, n_select, cu_seqlens):
+    """Whether block selection takes _ws_score_kernel and _ws_top_kernel for packed qf (B*T, HQ, D), kf (B*Tc, H, D):
     the warp-specialised kernels' inputs (_ws_applies), G from SELECT_WS_MIN_G to 32, no var-length input, whole
-    tiles of 256 / G tokens in each row of T, and l' / d = 2, 4 or 8 compressed keys a selection block (a chunk of 64
-    keys holds whole blocks; the ones the GPU tests run)."""
+    tiles of 256 / G tokens in each row of T, l' / d = 2, 4 or 8 compressed keys a selection block (a chunk of 64
+    keys holds whole blocks; the ones the GPU tests run) and n <= 32 (a token's top n in one thread's registers)."""
     G = qf.shape[1] // kf.shape[1]
     return (cu_seqlens is None and SELECT_WS_MIN_G <= G <= 32 and T % (256 // G) == 0
-            and sel_block // cmp_stride in (2, 4, 8) and _ws_applies(qf, kf, kf))
+            and sel_block // cmp_stride in (2, 4, 8) and n_select <= 32 and _ws_applies(qf, kf, kf))
 
 
 def _ws_select(qf, kf, lse, idx, T, l, d, ls, n, n_init, n_local, scale):
-    """Block selection by _ws_score_kernel and _top_kernel into idx (B*T, H, n) for packed qf (B*T, HQ, D), kf
+    """Block selection by _ws_score_kernel and _ws_top_kernel into idx (B*T, H, n) for packed qf (B*T, HQ, D), kf
     (B*Tc, H, D), lse (B*T, HQ) in rows of T tokens, in windows of tokens whose scores take at most
     SELECT_SCORE_BYTES."""
     NT, HQ, D = qf.shape
@@ -1769,13 +1820,12 @@ def _ws_select(qf, kf, lse, idx, T, l, d, ls, n, n_init, n_local, scale):
 
 
 def _select_top(scores, idx, t0, nt, T, ls, n, n_init, n_local):
-    """_top_kernel: tokens t0 .. t0 + nt of idx (B*T, H, n) from their block scores' parts scores (>= nt, H, 2, NB)
+    """_ws_top_kernel: tokens t0 .. t0 + nt of idx (B*T, H, n) from their block scores' parts scores (>= nt, H, 2, NB)
     in rows of T tokens."""
     H, NB = scores.shape[1], scores.shape[3]
     NP = max(16, triton.next_power_of_2(n))
-    _top_kernel[(triton.cdiv(nt, SELECT_TOP_TOKENS), H)](
-        scores, idx, t0, nt, T, NB, H=H, LS=ls, NS=n, NP=NP, BT=SELECT_TOP_TOKENS, N_INIT=n_init, N_LOCAL=n_local,
-        LOG_NP=int(math.log2(NP)), N_DIMS=int(math.log2(NP * SELECT_TOP_TOKENS)), num_warps=1)
+    _ws_top_kernel[(triton.cdiv(nt, 32), H)](scores, idx, t0, nt, T, NB, H=H, LS=ls, NS=n, NP=NP, N_INIT=n_init,
+                                              N_LOCAL=n_local, LOG_NP=int(math.log2(NP)), num_warps=1)
 
 
 @torch.library.custom_op("nsa::select", mutates_args=())
@@ -1788,7 +1838,7 @@ def select_op(q: torch.Tensor, k_cmp: torch.Tensor, lse: torch.Tensor, cmp_block
     if B * T == 0:
         return idx.view(B, T, H, n_select)
     qf, kf = pack(q), pack(k_cmp)                         # (B*T, HQ, D), (B*Tc, H, D)
-    if _ws_select_applies(qf, kf, T, cmp_stride, sel_block, cu_seqlens):
+    if _ws_select_applies(qf, kf, T, cmp_stride, sel_block, n_select, cu_seqlens):
         _ws_select(qf, kf, pack(lse), idx, T, cmp_block, cmp_stride, sel_block, n_select, n_init, n_local, scale)
         return idx.view(B, T, H, n_select)
     if cu_seqlens is None:                                # the kernel computes positions itself

@@ -356,37 +356,44 @@ def test_select_launch_fits_shared_memory(monkeypatch, G, D, lsel, n, dtype, tok
     assert stages < 3 or size(3) <= nk.SELECT_SMEM_PAIR or size(2) > nk.SELECT_SMEM_PAIR
 
 
-@pytest.mark.parametrize("n,n_init,n_local", [(16, 1, 2), (5, 0, 0), (3, 2, 1)])
-def test_select_top_equal_reference(n, n_init, n_local):
-    """_top_kernel (block selection's top n on Hopper) on Eq. 9's own and spill parts of two rows, in windows that
-    split a row: the reference's top_n of own[j] + spill[j - 1]. Scores from few values tie often (the lower block
-    wins); n = 16 exceeds the early tokens' blocks (-1 padding)."""
-    B, T, H, ls = 2, 200, 3, 16
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,n_init,n_local", [(16, 1, 2), (5, 0, 0), (3, 2, 1), (32, 1, 2), (17, 3, 0)])
+def test_select_top_equal_reference_gpu(n, n_init, n_local):
+    """_ws_top_kernel (block selection's top n on Hopper) on Eq. 9's own and spill parts of two rows, in windows that
+    split a row and a 32-token program: the reference's top_n of own[j] + spill[j - 1]. Scores from few values tie
+    often (the lower block wins); n = 16 exceeds the early tokens' blocks (-1 padding); rows of 40 blocks take three
+    chunks of 16 or two of 32."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("a Hopper kernel")
+    B, T, H, ls = 2, 640, 3, 16
     NB = -(-T // ls)
     g = torch.Generator().manual_seed(n)
     parts = torch.randint(0, 4, (B * T, H, 2, NB), generator=g).float()
     score = parts[:, :, 0].clone()
     score[..., 1:] += parts[:, :, 1, :-1]
     ref = na.top_n(score, (torch.arange(B * T) % T)[:, None], ls, n, n_init, n_local)
-    idx = torch.full((B * T, H, n), -7, dtype=torch.int32)
-    for t0, t1 in ((0, 136), (136, 400)):                      # windows of an op's scores buffer
-        nk._select_top(parts[t0:t1], idx, t0, t1 - t0, T, ls, n, n_init, n_local)
+    idx = torch.full((B * T, H, n), -7, dtype=torch.int32, device="cuda")
+    for t0, t1 in ((0, 136), (136, 1280)):                     # windows of an op's scores buffer
+        nk._select_top(parts[t0:t1].cuda(), idx, t0, t1 - t0, T, ls, n, n_init, n_local)
+    idx = idx.cpu()
     assert torch.equal(idx, ref), f"{(idx != ref).any(-1).sum().item()} of {B * T * H} rows differ"
     assert (idx == -1).any() or n <= 3
 
 
 def test_ws_select_rule(monkeypatch):
     """Which inputs take the Hopper block selection (_ws_select_applies), its GPU checks (_ws_applies) aside: G from
-    SELECT_WS_MIN_G (8) to 32, rows of whole tiles of 256 / G tokens, l' / d = 2, 4 or 8, no var-length input."""
+    SELECT_WS_MIN_G (8) to 32, rows of whole tiles of 256 / G tokens, l' / d = 2, 4 or 8, n <= 32, no var-length
+    input."""
     monkeypatch.setattr(nk, "_ws_applies", lambda *a: True)
 
-    def applies(G, T, ls=64, d=16, cu=None):
-        return nk._ws_select_applies(torch.zeros(T, 2 * G, 8), torch.zeros(3, 2, 8), T, d, ls, cu)
+    def applies(G, T, ls=64, d=16, cu=None, n=16):
+        return nk._ws_select_applies(torch.zeros(T, 2 * G, 8), torch.zeros(3, 2, 8), T, d, ls, n, cu)
     assert [applies(G, 256) for G in (4, 8, 16, 32, 64)] == [False, True, True, True, False]
     assert [applies(16, T) for T in (16, 4096, 4104)] == [True, True, False]
     assert applies(32, 4104)                                                    # tiles of 8 tokens
     assert [applies(16, 256, ls) for ls in (16, 32, 64, 128, 256)] == [False, True, True, True, False]
     assert not applies(16, 256, cu=torch.tensor([0, 256], dtype=torch.int32))
+    assert [applies(16, 256, n=n) for n in (1, 32, 33)] == [True, True, False]
 
 
 def test_select_blocks_varlen():
