@@ -1384,8 +1384,8 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
         raise ValueError(f"cu_seqlens must be int32 (N + 1,) with B == 1, got {cu_seqlens.dtype} "
                          f"{tuple(cu_seqlens.shape)} with B={B}")
     scale = D ** -0.5 if scale is None else float(scale)
-    key_path, window, _, chunk = _plan(B * T, HQ, k.shape[2], block_indices.shape[3], D, v.shape[3], int(sel_block),
-                                q.element_size())
+    key_path, window, _, chunk = _plan(B * T, HQ, k.shape[2], block_indices.shape[3], D, v.shape[3],
+                                       int(sel_block), q.element_size())
     G = HQ // k.shape[2]
     # the forward's union tiles are built once, for the dq too (where the forward runs one token a tile, the dq
     # builds its own); the reverse index here only for the key path's forward (the query path's backward builds it)
