@@ -565,16 +565,22 @@ def layer_parts(be):
         return o_cmp + o_slc + o_win
 
     def core(q, kc, vc, ks, vs, kw, vw, gl):
-        g = torch.softmax(gl.float(), dim=-1)                                  # (B, T, HQ, 3) gate weights
-        o_cmp, lse = cmp(q, kc, vc, g[..., 0])
+        g_cmp, g_slc, g_win = gate_weights(gl)
+        o_cmp, lse = cmp(q, kc, vc, g_cmp)
         idx = select(q.detach(), kc.detach(), lse)
-        return mix(o_cmp, slc(q, ks, vs, idx, g[..., 1]), win(q, kw, vw, g[..., 2]))   # (B, T, HQ, Dv)
+        return mix(o_cmp, slc(q, ks, vs, idx, g_slc), win(q, kw, vw, g_win))   # (B, T, HQ, Dv)
 
     if cuda and be == "triton":  # compiled, as train.py runs the layer: the mix is one fused kernel, and so is the
         # sum of q's three gradients in the backward; the core is compiled for each shape
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         return cmp, select, slc, win, torch.compile(mix, dynamic=True), torch.compile(core, fullgraph=True)
     return cmp, select, slc, win, mix, core
+
+
+def gate_weights(gl):
+    """The softmax gate's weights of each branch, (B, T, HQ) contiguous, of logits gl (B, T, HQ, 3): as NSAAttention
+    hands them to the kernels (strided ones would each be copied by the op)."""
+    return torch.softmax(gl.float(), dim=-1).permute(3, 0, 1, 2).contiguous()      # (3, B, T, HQ)
 
 
 def layer_inputs(T, hq, trained=None):
@@ -649,7 +655,7 @@ def run_layer():
         for T in layer_seqlens:
             xs = layer_inputs(T, hq, trained)
             q, kc, vc, ks, vs, kw, vw, gl = xs
-            g = torch.softmax(gl.float(), dim=-1)                              # (B, T, HQ, 3)
+            g = gate_weights(gl)                                               # (3, B, T, HQ)
             with torch.no_grad():
                 o_cmp, lse = cmp(q, kc, vc)
                 idx = select(q, kc, lse)
@@ -681,10 +687,10 @@ def run_layer():
             free_memory()
             for row in paired[:-2]:  # dense's rows first: the speedups' base
                 add_row(*row)
-            time_part("compressed", *fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc, g[..., 0]))
+            time_part("compressed", *fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc, g[0]))
             time_part("select_blocks", lambda: select(q, kc, lse), None)
-            time_part("selection", *fwd_bwd(lambda q, ks, vs, g: slc(q, ks, vs, idx, g), q, ks, vs, g[..., 1]))
-            time_part("window", *fwd_bwd(win, q, kw, vw, g[..., 2]))
+            time_part("selection", *fwd_bwd(lambda q, ks, vs, g: slc(q, ks, vs, idx, g), q, ks, vs, g[1]))
+            time_part("window", *fwd_bwd(win, q, kw, vw, g[2]))
             time_part("mix", *fwd_bwd(mix, o_cmp, o_cmp, o_cmp))
             for row in paired[-2:]:
                 add_row(*row)
@@ -716,11 +722,11 @@ def layer_sweep(trained):
     T, hq = max(layer_seqlens), layer_hq[0]
     cmp, select, slc, win, mix, core = layer_parts("triton")
     q, kc, vc, ks, vs, kw, vw, gl = layer_inputs(T, hq, trained)
-    g = torch.softmax(gl.float(), dim=-1)                                      # (B, T, HQ, 3)
+    g = gate_weights(gl)                                                       # (3, B, T, HQ)
     with torch.no_grad():
         lse = cmp(q, kc, vc)[1]
-    cmp_f, cmp_fb = fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc, g[..., 0])
-    win_f, win_fb = fwd_bwd(win, q, kw, vw, g[..., 2])
+    cmp_f, cmp_fb = fwd_bwd(lambda *a: cmp(*a)[0], q, kc, vc, g[0])
+    win_f, win_fb = fwd_bwd(win, q, kw, vw, g[2])
     entry = {name: nsa_kernels.launch_entry(name, hq // H, max(D, Dv)) for name in ("fwd", "dq", "dkv", "select")}
     ops = {entry["fwd"]: [("cmp fwd", cmp_f), ("win fwd", win_f)],
            entry["dq"]: [("cmp fwd+bwd", cmp_fb), ("win fwd+bwd", win_fb)],

@@ -263,7 +263,8 @@ def test_layer_sweep_varies_the_entries_its_g_takes(bench, monkeypatch, capsys, 
         n_inputs.append(len(inputs))
         return part, part
 
-    monkeypatch.setattr(bench, "layer_inputs", lambda T, hq, trained=None: [torch.zeros(3)] * 8)
+    monkeypatch.setattr(bench, "layer_inputs",
+                        lambda T, hq, trained=None: [torch.zeros(3)] * 7 + [torch.zeros(1, 2, hq, 3)])  # gate logits
     monkeypatch.setattr(bench, "layer_parts", lambda be: (part,) * 6)
     monkeypatch.setattr(bench, "fwd_bwd", fwd_bwd)
     monkeypatch.setattr(bench, "layer_hq", (hq,))
