@@ -1171,16 +1171,22 @@ def _select_kernel(q, k, lse, idx, pos, seq, cu_cmp, scale_log2, NT, VARLEN: tl.
 
 
 @triton.jit
+def _top_keys(b_sc, jj, tb, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
+    """The sort keys of blocks jj (broadcast against the scores b_sc [BT, NP]) for tokens whose own block is tb [BT]:
+    (score bits, INT_MAX - j) in one int64, the forced blocks (the first N_INIT, the N_LOCAL up to tb) scoring +inf.
+    Scores are >= 0, so their bits order like the floats; the low word makes ties go to the lower j."""
+    b_sc = tl.where((jj < N_INIT) | (jj > tb[:, None] - N_LOCAL), float("inf"), b_sc)
+    return (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-jj + INT_MAX).to(tl.int64)
+
+
+@triton.jit
 def _merge_top(top, b_sc, jj, m_b, tb, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, LOG_NP: tl.constexpr,
                N_DIMS: tl.constexpr):
     """Merges the block scores b_sc [BT, NP] of blocks jj [NP] into the tokens' running top-NP keys (sorted
-    descending): the forced blocks score +inf, blocks after a token's own (tb) are no candidates."""
+    descending): blocks after a token's own (tb) are no candidates."""
     cand = m_b[:, None] & (jj[None, :] <= tb[:, None])
-    forced = (jj[None, :] < N_INIT) | (jj[None, :] > tb[:, None] - N_LOCAL)
-    b_sc = tl.where(forced, float("inf"), b_sc)
-    # scores are >= 0, so their bits order like the floats; the low word makes ties go to the lower j
-    key = (b_sc.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (-jj + INT_MAX).to(tl.int64)[None, :]
-    key = sort_rows(tl.where(cand, key, -1), DESC=0, LOG_N=LOG_NP, N_DIMS=N_DIMS)             # ascending
+    key = sort_rows(tl.where(cand, _top_keys(b_sc, jj[None, :], tb, N_INIT, N_LOCAL), -1), DESC=0, LOG_N=LOG_NP,
+                    N_DIMS=N_DIMS)                                                            # ascending
     return sort_rows(tl.maximum(top, key), DESC=1, LOG_N=LOG_NP, N_DIMS=N_DIMS, MERGE_ONLY=1)
 
 
@@ -1374,7 +1380,7 @@ def _ws_top_kernel(scores, idx, T0, NT, SEQ_T, NB, H: gl.constexpr, LS: gl.const
     tb_l = ((T0 + t_l) % SEQ_T) // LS
     row = ((t_l.to(gl.int64) * H + i_h) * (2 * NB))[:, None]
     c_l = gl.arange(0, NP, layout=gl.SliceLayout(0, load_l))[None, :]
-    # _merge_top's keys, as doubles: a positive int64's bits order like the finite double they spell, and a double
+    # _top_keys as doubles: a positive int64's bits order like the finite double they spell, and a double
     # compare-exchange takes fewer instructions (no candidate: 0, not -1, which would spell a NaN)
     top = gl.full([BT, NP], 0., gl.float64, row_l)
     for j0 in range(0, gl.max(gl.where(m_b, tb + 1, 0), 0), NP):
@@ -1383,8 +1389,7 @@ def _ws_top_kernel(scores, idx, T0, NT, SEQ_T, NB, H: gl.constexpr, LS: gl.const
         b_sc = gl.load(scores + row + jj, mask=m_j, other=0.)
         b_sc += gl.load(scores + row + NB - 1 + jj, mask=m_j & (jj >= 1), other=0.)
         jj = j0 + o_j
-        b_sc = gl.where((jj < N_INIT) | (jj > tb[:, None] - N_LOCAL), float("inf"), gl.convert_layout(b_sc, row_l))
-        key = (b_sc.to(gl.int32, bitcast=True).to(gl.int64) << 32) | (INT_MAX - jj).to(gl.int64)
+        key = _top_keys(gl.convert_layout(b_sc, row_l), jj, tb, N_INIT, N_LOCAL)
         key = gl.where(m_b[:, None] & (jj <= tb[:, None]), key, 0).to(gl.float64, bitcast=True)
         top = _row_sort(gl.maximum(top, _row_sort(key, o_j, 0, 0, LOG_NP)), o_j, 1, 1, LOG_NP)
     top = top.to(gl.int64, bitcast=True)

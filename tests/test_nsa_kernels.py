@@ -612,7 +612,7 @@ def test_select_blocks_gpu(G, D, lsel, n, dtype):
         assert (idx != ref).any(-1).float().mean().item() <= 1e-3
 
 
-# (B, T, G, D, l', n, dtype): block selection by _ws_score_kernel and _top_kernel (whole tiles of 256 / G tokens a
+# (B, T, G, D, l', n, dtype): block selection by _ws_score_kernel and _ws_top_kernel (whole tiles of 256 / G tokens a
 # row; l' / d = 4, 8 and 2)
 SEL_WS_GPU = [(1, 5120, 16, 128, 64, 16, torch.bfloat16), (2, 2048, 8, 128, 64, 16, torch.bfloat16),
               (1, 4096, 32, 64, 64, 16, torch.bfloat16), (1, 4096, 16, 128, 128, 32, torch.bfloat16),
