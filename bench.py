@@ -556,7 +556,8 @@ def layer_parts(be):
                                            backend=be, lse=lse)
 
     def slc(q, ks, vs, idx, g=None):
-        return nsa_attention.selection_attention(q, ks, vs, idx, sel_block, backend=be, gate=g)
+        return nsa_attention.selection_attention(q, ks, vs, idx, sel_block, backend=be, gate=g,
+                                                 forced=(n_init, n_local))
 
     def win(q, kw, vw, g=None):
         return nsa_attention.window_attention(q, kw, vw, window, backend=be, gate=g)

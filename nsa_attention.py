@@ -499,15 +499,19 @@ def select_blocks(q, k_cmp, cmp_block, cmp_stride, sel_block, n_select, n_init=1
                           sel_block, n_select, n_init, n_local, scale)
 
 
-def selection_attention(q, k, v, block_indices, sel_block, scale=None, cu_seqlens=None, backend="auto", gate=None):
+def selection_attention(q, k, v, block_indices, sel_block, scale=None, cu_seqlens=None, backend="auto", gate=None,
+                        forced=None):
     """Attention over the selected blocks ("Selected"). q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv),
     block_indices int32 (B, T, H, n) (-1 = padding; ids outside [0, t // sel_block] are ignored like padding).
-    Keys after t inside a selected block are masked. gate (B, T, HQ) or None scales o per row. Returns o
-    (B, T, HQ, Dv) in q's dtype."""
+    Keys after t inside a selected block are masked. gate (B, T, HQ) or None scales o per row. forced (n_init,
+    n_local) or None: a promise that the ids hold the forced blocks (as select_blocks' do with these), which lets
+    the kernels read those as key ranges; the result is the same. Returns o (B, T, HQ, Dv) in q's dtype."""
+    if forced is not None and not (isinstance(forced, (tuple, list)) and len(forced) == 2):
+        raise ValueError(f"forced must be (n_init, n_local) or None, got {forced!r}")
     scale, _ = _checked(q, k, v, ("q", "k", "v"), scale, cu_seqlens, block_indices=block_indices, gate=gate,
-                        sel_block=sel_block)
+                        sel_block=sel_block, **dict(zip(("n_init", "n_local"), forced or ())))
     if kernel := _kernel(backend, q, "selection_attention_triton", v):
-        return kernel(q, k, v, block_indices, sel_block, scale, cu_seqlens, gate)
+        return kernel(q, k, v, block_indices, sel_block, scale, cu_seqlens, gate, forced)
     return gated(_reference(selected_branch, (q, block_indices), (k, v), cu_seqlens, cu_seqlens, sel_block, scale),
                  gate, q.dtype)
 
@@ -606,7 +610,7 @@ class NSAAttention(nn.Module):
         idx = select_blocks(q.detach(), k_cmp.detach(), l, d, cfg.sel_block, cfg.n_select, cfg.n_init, cfg.n_local,
                             cu_seqlens=cu_seqlens, cu_seqlens_cmp=cu_cmp, backend=be, lse=lse)   # (B, T, H, n)
         o_slc = selection_attention(q, k_slc, v_slc, idx, cfg.sel_block, cu_seqlens=cu_seqlens, backend=be,
-                                    gate=g_slc)
+                                    gate=g_slc, forced=(cfg.n_init, cfg.n_local))
         o_win = window_attention(q, k_win, v_win, cfg.window, cu_seqlens=cu_seqlens, backend=be, gate=g_win)
         o = o_cmp + o_slc + o_win                                              # (B, T, HQ, D)  Eq. 5
         if self.record:  # train.py's statistics: how the gate mixes the branches (gated outputs)

@@ -33,6 +33,12 @@ from nsa_kernels import (_ws_barriers, _ws_desc, _ws_fwd_finish, _ws_load_rows, 
 #   they share, inside spans of GROUP_TILES tiles (_group_kernel). On rows longer than UNION_MAX_T tokens the union
 #   tiles split: those whose lists pass UNION_SPLIT x n run their tokens one to a tile, in a second launch (the
 #   forward's only on GPUs with less L2 cache than FWD_SPLIT_MAX_L2; on the others it runs one token a tile there).
+# - forced blocks: where every forward tile holds one token and the caller says the ids hold the forced blocks
+#   (forced=(n_init, n_local), as select_blocks' ids do), those blocks, which all tokens of a block share, run first
+#   as key ranges in tiles of several tokens (_sel_forced_fwd_kernel: the first n_init blocks, then the n_local up to
+#   the token's own), loading each key once per tile instead of once per token; the one-token kernel starts its
+#   online softmax from their o and lse and walks only the other ids (_free_ids), one step each. The backward is the
+#   same either way: it reads the merged o and lse, and every id.
 # - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
 #   builds the reverse index (which (token, slot) pairs selected each block, tokens ascending) in O(NT*H*n) memory;
 #   each list is cut into chunks of CONFIG's chunk_rows query rows (shorter on short inputs, so the grid fills the
@@ -78,6 +84,8 @@ CONFIG = {
     "key_bwd": dict(rows=128, chunk_rows=4096, num_warps=8, num_stages=3),  # dk/dv on the key path (dq partials too)
     "key_bwd_small_d": dict(rows=64, chunk_rows=2048, num_warps=4, num_stages=3),  # heads <= SMALL_D (nsa_kernels)
     "key_sum": dict(rows=16, num_warps=4),  # the merge of a token's o partials and the sum of its dq partials
+    "forced": dict(rows=64, keys=32, union=False, num_warps=4, num_stages=2),  # the forced blocks (keys: a step;
+    #                                                           picked on one H200, RESULTS.md)
 }
 DKV_CHUNKS = 1024  # the query path's reverse index aims at this many chunks at least (see _plan)
 KEY_MAX_G = 8  # "auto" takes the key-centric path for G = HQ / H up to this, at any length (RESULTS.md)
@@ -191,10 +199,12 @@ def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, order, lst, cnt, scale_log2
                     H: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
                     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                     BS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, UNION: tl.constexpr,
-                    BOXES: tl.constexpr, GATED: tl.constexpr, LIMIT=0, SPLIT: tl.constexpr = 0, UT: tl.constexpr = 1):
+                    BOXES: tl.constexpr, GATED: tl.constexpr, LIMIT=0, SPLIT: tl.constexpr = 0, UT: tl.constexpr = 1,
+                    FORCED: tl.constexpr = 0, N_INIT: tl.constexpr = 0, N_LOCAL: tl.constexpr = 0):
     """o (times the gate) and the base-2 lse of tile i_t of BT tokens x the G heads of kv head i_h, over the tokens'
     selected blocks: slot by slot, or (UNION) each block of the tile's union list once for all its rows. SPLIT:
-    two launches share the union tiles, by the length of their lists (_other_launch)."""
+    two launches share the union tiles, by the length of their lists (_other_launch). FORCED (BT = 1): from the
+    forced blocks' part (_sel_forced_fwd_kernel's, in o and lse) on, over the ids that are not forced (_free_ids)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     BT: tl.constexpr = M // G
     if SPLIT:
@@ -206,11 +216,22 @@ def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, order, lst, cnt, scale_log2
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BDV], tl.float32)
+    if FORCED:  # start from the forced blocks' part: _sel_forced_fwd_kernel's o = acc / l and lse = m + log2 l
+        m_i = tl.load(lse + t_off + hq_r, mask=m_r, other=float("-inf"))
+        l_i = tl.where(m_i == float("-inf"), 0., 1.)
+        acc = load_rows(o, t_off + hq_r, m_r, DV, BDV).to(tl.float32)
     if UNION:
         b_start = tl.where(b_idx >= 0, bos_r[:, None] + b_idx * BS, -1)                   # [M, BNS]
         for f in range(tl.load(cnt + i_t * H + i_h)):
             u0, m_row, rel_u, rel_max = _union_rows(lst, b_start, m_r, bos_r + rel_r, f, i_t, i_h, H, BT, NS)
             m_i, l_i, acc = _fwd_inner(b_q, k, v, m_i, l_i, acc, 0, u0, m_row, rel_u, rel_max, scale_log2, i_h,
+                                       NT, H, D, DV, BD, BDV, BS, BK, BOXES)
+    elif FORCED:                                          # one token a tile
+        ids, rank, n_free = _free_ids(idx, pos, i_t, i_h, NT, H, NS, BNS, BS, N_INIT, N_LOCAL)
+        rel_p = tl.max(tl.where(m_r, rel_r, -1))
+        for f in range(n_free):                           # the f-th free id: one step each, none wasted on the rest
+            j = tl.max(tl.where(rank == f, ids, -1))
+            m_i, l_i, acc = _fwd_inner(b_q, k, v, m_i, l_i, acc, j, i_t - rel_p, m_r, rel_r, rel_p, scale_log2, i_h,
                                        NT, H, D, DV, BD, BDV, BS, BK, BOXES)
     else:
         for f in range(BT * NS):                          # slot f = (token f // n, slot f % n) of the tile
@@ -219,6 +240,57 @@ def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, order, lst, cnt, scale_log2
                                        NT, H, D, DV, BD, BDV, BS, BK, BOXES)
     b_o, b_lse = softmax_finish(m_i, l_i, acc)            # lse: base 2, of the scaled scores
     store_rows(o, t_off + hq_r, m_r, gate_out(b_o, gate_rows(gate, t_off + hq_r, m_r, GATED), GATED), DV, BDV)
+    tl.store(lse + t_off + hq_r, b_lse, mask=m_r)
+
+
+@triton.jit
+def _free_ids(idx, pos, t, i_h, NT, H: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, BS: tl.constexpr,
+              N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
+    """Token t's ids [BNS] (cleaned: valid or -1), each one's place among its free ids (valid, not forced: neither
+    one of the first N_INIT blocks nor one of the N_LOCAL up to its own) and how many are free."""
+    o_s = tl.arange(0, BNS)
+    ids = tl.load(idx + (t.to(tl.int64) * H + i_h) * NS + o_s, mask=(o_s < NS) & (t < NT), other=-1)
+    tb = tl.load(pos + t, mask=t < NT, other=0) // BS                                 # the token's own block
+    free = (ids >= 0) & (ids >= N_INIT) & (ids <= tb - N_LOCAL)
+    return ids, tl.where(free, tl.cumsum(free.to(tl.int32), 0) - 1, -1), tl.sum(free.to(tl.int32))
+
+
+@triton.jit
+def _sel_forced_fwd_kernel(q, k, v, o, lse, pos, scale_log2, NT, H: tl.constexpr, G: tl.constexpr,
+                           M: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                           BS: tl.constexpr, BK: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
+                           BOXES: tl.constexpr):
+    """o and the base-2 lse of tile i_t of BT tokens x the G heads of kv head i_h over their forced blocks, which
+    every token of a block shares: two key ranges a row, the first N_INIT blocks, then the N_LOCAL up to its own
+    (both up to the token), in one loop of BK-steps over the tile's two spans. _sel_fwd_kernel's FORCED launch adds
+    the free blocks."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    p_r, g_r, m_g = group_rows(M, G)
+    t_r = i_t * (M // G) + p_r                                                        # [M] token of each row
+    m_r, t_off, hq_r = tile_rows(t_r, g_r, m_g & (t_r < NT), i_h, H, G)
+    rel_r = tl.load(pos + t_r, mask=m_r, other=0)                                     # [M] positions
+    bos_r = t_r - rel_r
+    init_lo, init_hi = bos_r, bos_r + tl.minimum(N_INIT * BS, rel_r + 1)             # [M] each row's two ranges
+    local_lo, local_hi = bos_r + tl.maximum(N_INIT, rel_r // BS - N_LOCAL + 1) * BS, t_r + 1
+    m_init, m_local = m_r & (init_lo < init_hi), m_r & (local_lo < local_hi)
+    a0, a1 = tl.min(tl.where(m_init, init_lo, INT_MAX)), tl.max(tl.where(m_init, init_hi, 0))   # the tile's spans
+    b0, b1 = tl.min(tl.where(m_local, local_lo, INT_MAX)), tl.max(tl.where(m_local, local_hi, 0))
+    n_a = tl.cdiv(tl.maximum(a1 - a0, 0), BK)
+    b_q = load_rows(q, t_off + hq_r, m_r, D, BD)                                      # [M, BD]
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, BDV], tl.float32)
+    for s in range(n_a + tl.cdiv(tl.maximum(b1 - b0, 0), BK)):
+        init = s < n_a
+        k0 = tl.where(init, a0 + s * BK, b0 + (s - n_a) * BK)
+        b_k, b_v = key_tile(k, v, k0, tl.where(init, a1, b1), i_h, H, D, DV, BD, BDV, BK, BOXES)
+        c = k0 + tl.arange(0, BK)                                                     # [BK] key ids
+        lo, hi = tl.where(init, init_lo, local_lo), tl.where(init, init_hi, local_hi)
+        m_s = m_r[:, None] & (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
+        b_s = tl.where(m_s, tl.dot(b_q, tl.trans(b_k)), float("-inf"))              # [M, BK]
+        m_i, l_i, acc = softmax_step(b_s, scale_log2, b_v, m_i, l_i, acc)
+    b_o, b_lse = softmax_finish(m_i, l_i, acc)
+    store_rows(o, t_off + hq_r, m_r, b_o, DV, BDV)
     tl.store(lse + t_off + hq_r, b_lse, mask=m_r)
 
 
@@ -1251,7 +1323,7 @@ def _union_index(tiles, BT, idx, pos, sel_block):
 
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch.Tensor], block_indices: torch.Tensor,
          sel_block: int, scale: float, cu_seqlens: Optional[torch.Tensor],
-         index: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+         index: list[torch.Tensor], n_init: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, HQ, D = q.shape
     NT, DV = B * T, v.shape[3]
     if NT == 0 or block_indices.shape[3] == 0:  # nothing to attend to: o = 0, lse = -inf
@@ -1267,6 +1339,17 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
     o = torch.empty(NT, HQ, DV, device=q.device, dtype=q.dtype)
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
     kb, vb, boxes = tma_boxes(kf, vf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BDV"]])
+    grid, kw = launches[0]
+    if (n_init or n_local) and len(launches) == 1 and not kw["UNION"] and kw["M"] // c["G"] == 1:
+        # one token a tile: first the blocks that every token of a block holds (forced), as key ranges in tiles of
+        # several tokens, then the free ones, one token a tile (loading fewer bytes at no extra step)
+        M, _, cfg = _launch("forced", c["G"])
+        BK = cfg.pop("keys")
+        fb, fvb, f_boxes = tma_boxes(kf, vf, [BK, 1, c["BD"]], [BK, 1, c["BDV"]])
+        _sel_forced_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](
+            qf, fb, fvb, o, lse, pos, scale_log2, NT, M=M, N_INIT=n_init, N_LOCAL=n_local, BOXES=f_boxes,
+            **dict(c, BK=BK), **cfg)
+        launches = [(grid, dict(kw, FORCED=True, N_INIT=n_init, N_LOCAL=n_local))]
     for grid, kw in launches:
         if (kw["UNION"] and kw["M"] == 64 and "SPLIT" not in kw and sel_block == 64 and c["BK"] == 64 and
                 nsa_kernels._ws_applies(qf, kf, vf)):
@@ -1279,7 +1362,7 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
 
 def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch.Tensor],
          o: torch.Tensor, lse: torch.Tensor, block_indices: torch.Tensor, sel_block: int, scale: float,
-         cu_seqlens: Optional[torch.Tensor], index: list[torch.Tensor]
+         cu_seqlens: Optional[torch.Tensor], index: list[torch.Tensor], n_init: int, n_local: int
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     B, T, HQ, D = q.shape
     NT, DV = B * T, v.shape[3]
@@ -1363,13 +1446,16 @@ def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ga
 sel_attn_fwd, sel_attn_bwd = attention_op("sel_attn", _fwd, _bwd)
 
 
-def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu_seqlens=None, gate=None):
+def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu_seqlens=None, gate=None,
+                               forced=None):
     """Selected-block attention (the definition in nsa_attention.py, "Selected"), differentiable in q, k, v and gate;
     no host sync, deterministic backward. q (B, T, HQ, D), k (B, T, H, D), v (B, T, H, Dv) fp16/bf16 (fp32 works:
     tf32 dots on GPU); HQ % H == 0. block_indices int32 (B, T, H, n): for token t and kv head h the block ids j (keys
     [j*l', (j+1)*l') masked to <= t); -1 or ids outside [0, t // l'] are ignored. cu_seqlens int32 (N+1,) with
     B == 1: packed sequences, positions and block ids relative to each start. scale (> 0) defaults to D ** -0.5. gate
-    (B, T, HQ) or None scales each row of o. Returns o (B, T, HQ, Dv)."""
+    (B, T, HQ) or None scales each row of o. forced (n_init, n_local) or None: every token's ids hold blocks 0 ..
+    n_init - 1 and the n_local up to its own (as select_blocks' do), which the forward may then read as key ranges.
+    Returns o (B, T, HQ, Dv)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D (B, T, HQ|H, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -1392,5 +1478,7 @@ def selection_attention_triton(q, k, v, block_indices, sel_block, scale=None, cu
     M, union, _ = _query_launch("fwd", G, T, max(D, v.shape[3]), q.device)
     index = sel_index(block_indices, int(sel_block), cu_seqlens, window if key_path else 0, chunk,
                       M // G if union else 0)
-    return sel_attn_fwd(q, k, v, gate, block_indices, int(sel_block), scale, cu_seqlens, index)[0]
+    n_init, n_local = forced or (0, 0)
+    return sel_attn_fwd(q, k, v, gate, block_indices, int(sel_block), scale, cu_seqlens, index, int(n_init),
+                        int(n_local))[0]
 

@@ -63,7 +63,7 @@ nk._sm_count = lambda device: 132  # an H100's multiprocessors: the persistent k
 L, DS, LS, N, W = 32, 16, 64, 16, 512  # the paper's NSA defaults
 
 
-def layer(B, T, HQ, H, D, dtype, varlen=False):
+def layer(B, T, HQ, H, D, dtype, varlen=False, forced=(1, 2)):
     """The layer core's launches (as bench.py's layer mode makes them), forward and backward, then a decode step."""
     cu = torch.tensor([0, T // 3, T], dtype=torch.int32) if varlen else None
     cu_c = na.cmp_cu_seqlens(cu, L, DS) if varlen else None
@@ -76,7 +76,7 @@ def layer(B, T, HQ, H, D, dtype, varlen=False):
     idx = na.select_blocks(q.detach(), kc.detach(), L, DS, LS, N, cu_seqlens=cu, cu_seqlens_cmp=cu_c,
                            backend="triton", lse=lse)
     idx = torch.randint(-1, T // LS, idx.shape, dtype=torch.int32)  # the kernel's ids were not computed
-    o_slc = na.selection_attention(q, ks, vs, idx, LS, cu_seqlens=cu, backend="triton", gate=g[..., 1])
+    o_slc = na.selection_attention(q, ks, vs, idx, LS, cu_seqlens=cu, backend="triton", gate=g[..., 1], forced=forced)
     o_win = na.window_attention(q, kw, vw, W, cu_seqlens=cu, backend="triton", gate=g[..., 2])
     (o_cmp + o_slc + o_win).sum().backward()
     cfg = GPTConfig(cmp_block=L, cmp_stride=DS, sel_block=LS, n_select=N, window=W)
@@ -98,6 +98,7 @@ for shape in SHAPES:
 sel_kernel.DS_MAX_BYTES = 0  # the query path's dq kernel, where its score gradients do not fit
 nk.SELECT_WS_MIN_G = 64  # and Triton's block selection at G = 16 (as where the Hopper one does not apply)
 layer(*SHAPES[0])
+layer(*SHAPES[1], forced=None)  # and one token a tile with the forced blocks in its slots
 for (name, dtypes, constexprs), shared in sorted(compiled.items()):
     print(f"{name:<28} {shared:>7} B  {','.join(dtypes)} {' '.join(f'{n}={v}' for n, v in constexprs)}")
 kernels = {n for m in (nk, sel_kernel) for n, f in vars(m).items() if isinstance(f, JITFunction)}

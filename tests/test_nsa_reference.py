@@ -310,6 +310,8 @@ def test_errors_name_the_argument():
         (lambda: N.window_attention(q, k, v, 4, backend="cuda"), "backend must be"),
         (lambda: N.selection_attention(q, k, v, idx.long(), 16), "block_indices must be an int32"),
         (lambda: N.selection_attention(q, k, v, idx[:, :5], 16), "block_indices must be (B, T, H, n)"),
+        (lambda: N.selection_attention(q, k, v, idx, 16, forced=1), "forced must be (n_init, n_local) or None"),
+        (lambda: N.selection_attention(q, k, v, idx, 16, forced=(1, -2)), "n_init and n_local must be ints >= 0"),
         (lambda: N.window_attention(q, k, v, 4, gate=rnd(1, 10, 2)), "gate must be a floating tensor (B, T, HQ)"),
         (lambda: N.compressed_attention(q, k[:, :4], v[:, :4], 4, 2, gate=idx[..., 0]), "gate must be a floating"),
         (lambda: N.select_blocks(q, k, 32, 12, 64, 4), "cmp_stride must divide cmp_block"),

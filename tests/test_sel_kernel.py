@@ -34,15 +34,25 @@ def rel_rmse(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run_both(B, T, HQ, H, D, DV, n, sel_block, dtype, device="cpu", seed=0, cu_seqlens=None, idx=None, gated=False):
+def forced_indices(B, T, H, n, sel_block, n_init, n_local, seed=0, cu_seqlens=None):
+    """Ids as select_blocks makes them (top_n of random block scores): the forced blocks always among them."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    t = nsa_attention.positions(cu_seqlens, T, "cpu")
+    t = t.expand(B, T) if cu_seqlens is None else t[None]
+    score = torch.rand(B, T, H, T // sel_block + 1, generator=g)
+    return nsa_attention.top_n(score, t[..., None], sel_block, n, n_init, n_local)
+
+
+def run_both(B, T, HQ, H, D, DV, n, sel_block, dtype, device="cpu", seed=0, cu_seqlens=None, idx=None, gated=False,
+             forced=None):
     """Kernel output and grads (dq, dk, dv[, dgate]) in `dtype`, reference in fp64 (CPU) / fp32 (GPU) on the same
-    rounded inputs; gated: with a random gate (test_nsa_kernels.random_gate)."""
+    rounded inputs; gated: with a random gate (test_nsa_kernels.random_gate); forced: the kernel's argument."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, k, v, do = (torch.randn(B, T, h, d, generator=g).to(device=device, dtype=dtype)
                    for h, d in ((HQ, D), (H, D), (H, DV), (HQ, DV)))
     idx = random_indices(B, T, H, n, sel_block, seed, device, cu_seqlens) if idx is None else idx
     qk = [x.clone().requires_grad_() for x in with_gate(g, [q, k, v], HQ, gated)]
-    o = sel_kernel.selection_attention_triton(*qk[:3], idx, sel_block, None, cu_seqlens, *qk[3:])
+    o = sel_kernel.selection_attention_triton(*qk[:3], idx, sel_block, None, cu_seqlens, *qk[3:], forced=forced)
     grads = torch.autograd.grad(o, qk, do)
     ref_dt = torch.float64 if device == "cpu" else torch.float32
     qr = [x.detach().to(ref_dt).requires_grad_() for x in qk]
@@ -71,7 +81,7 @@ def path(request, monkeypatch):
 
 def fwd_lse(q, k, v, idx, l, cu_seqlens=None):
     """o and the saved base-2 lse (what the backward reads) of the forward op."""
-    return sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, q.shape[3] ** -0.5, cu_seqlens, [])
+    return sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, q.shape[3] ** -0.5, cu_seqlens, [], 0, 0)
 
 
 def randn(*shapes, seed, dtype=torch.float32, device="cpu"):
@@ -398,6 +408,33 @@ def test_out_of_range_and_repeated_ids_ignored_no_future_reads(path, loads, monk
     assert torch.equal(dq[:, :half], dq_alone)
 
 
+@pytest.mark.parametrize("path", ["query"], indirect=True)
+@pytest.mark.parametrize("HQ,n_init,n_local,n,T,cu,dtype", [
+    (16, 1, 2, 5, 100, None, torch.float16),          # G = 16: one token a tile on the query path
+    (32, 0, 1, 3, 90, [0, 37, 90], torch.float32),    # no initial block; var-length
+    (24, 2, 1, 4, 12, None, torch.float32),           # G = 24 (not a power of 2); T < l'
+    (16, 3, 3, 7, 100, [0, 61, 100], torch.float32)])
+def test_forced_blocks_as_key_ranges(path, HQ, n_init, n_local, n, T, cu, dtype, monkeypatch):
+    """forced=(n_init, n_local) on select_blocks-like ids, tiles of one token: the forced blocks as key ranges in
+    tiles of several tokens, then the free ids. o and every gradient as the reference's, from NaN-poisoned buffers;
+    and the ranges are what the forward read: with block 0 taken out of the ids (the promise broken) o is the same."""
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    idx = forced_indices(1, T, 1, n, 16, n_init, n_local, seed=HQ + T, cu_seqlens=cu)
+    poison_allocations(monkeypatch)
+    out, ref = run_both(1, T, HQ, 1, 32, 32, n, 16, dtype, seed=T, cu_seqlens=cu, idx=idx, gated=True,
+                        forced=(n_init, n_local))
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
+        assert torch.isfinite(a).all() and rel_rmse(a, b) <= tol, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
+    if n_init:
+        q, k, v, g = randn((1, T, HQ, 32), (1, T, 1, 32), (1, T, 1, 32), (1, T, HQ), seed=T, dtype=dtype)
+        o = sel_kernel.selection_attention_triton(q, k, v, idx, 16, None, cu, g, forced=(n_init, n_local))
+        broken = torch.where(idx == 0, -1, idx)
+        assert torch.equal(sel_kernel.selection_attention_triton(q, k, v, broken, 16, None, cu, g,
+                                                                 forced=(n_init, n_local)), o)
+        assert not torch.equal(sel_kernel.selection_attention_triton(q, k, v, broken, 16, None, cu, g), o)
+
+
 def test_query_with_no_key_gives_zero_and_minus_inf_lse(path):
     B, T, H, n, l = 1, 20, 1, 2, 16
     idx = random_indices(B, T, H, n, l, seed=8)
@@ -520,9 +557,9 @@ def test_index_built_once_and_its_fake_matches(path, windows, monkeypatch):
         assert rel_rmse(a, b) <= 1e-5
     reverse.clear()
     monkeypatch.setattr(sel_kernel, "KEY_WINDOW_ROWS", HQ * n * -(-T // (windows + 1)))
-    o_stale = sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, 32 ** -0.5, cu, stale)[0]
+    o_stale = sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, 32 ** -0.5, cu, stale, 0, 0)[0]
     assert not built and len(reverse) == (windows + 1 if path == "key" else 0)  # the key path's windows differ
-    assert torch.equal(o_stale, sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, 32 ** -0.5, cu, [])[0])
+    assert torch.equal(o_stale, sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, 32 ** -0.5, cu, [], 0, 0)[0])
 
 
 def test_empty_inputs(path):
@@ -692,6 +729,20 @@ def test_varlen_gpu(path, HQ):
     cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
     out, ref = run_both(1, 2000, HQ, 4, 128, 128, 16, 64, torch.bfloat16, device="cuda", cu_seqlens=cu)
     for name, a, b in zip(("o", "dq", "dk", "dv"), out, ref):
+        assert rel_rmse(a, b) <= 1e-2, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["query"], indirect=True)
+@pytest.mark.parametrize("HQ,D,dtype", [(32, 128, torch.bfloat16), (64, 64, torch.float16), (40, 128, torch.float32)])
+def test_forced_blocks_as_key_ranges_gpu(path, HQ, D, dtype):
+    """forced=(1, 2) on select_blocks-like ids, one token a tile (G = 16, 32, 20): var-length and gated, as the
+    fp32 reference, dgate included (the forced blocks' K/V by TMA boxes where they apply)."""
+    cu = torch.tensor([0, 1000, 1000, 3001], dtype=torch.int32)
+    idx = forced_indices(1, 3001, 2, 16, 64, 1, 2, seed=HQ, cu_seqlens=cu).cuda()
+    out, ref = run_both(1, 3001, HQ, 2, D, D, 16, 64, dtype, device="cuda", seed=HQ, cu_seqlens=cu.cuda(), idx=idx,
+                        gated=True, forced=(1, 2))
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
         assert rel_rmse(a, b) <= 1e-2, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
 
 
