@@ -33,12 +33,13 @@ from nsa_kernels import (_ws_barriers, _ws_desc, _ws_fwd_finish, _ws_load_rows, 
 #   they share, inside spans of GROUP_TILES tiles (_group_kernel). On rows longer than UNION_MAX_T tokens the union
 #   tiles split: those whose lists pass UNION_SPLIT x n run their tokens one to a tile, in a second launch (the
 #   forward's only on GPUs with less L2 cache than FWD_SPLIT_MAX_L2; on the others it runs one token a tile there).
-# - forced blocks: where every forward tile holds one token and the caller says the ids hold the forced blocks
-#   (forced=(n_init, n_local), as select_blocks' ids do), those blocks, which all tokens of a block share, run first
-#   as key ranges in tiles of several tokens (_sel_forced_fwd_kernel: the first n_init blocks, then the n_local up to
-#   the token's own), loading each key once per tile instead of once per token; the one-token kernel starts its
-#   online softmax from their o and lse and walks only the other ids (_free_ids), one step each. The backward is the
-#   same either way: it reads the merged o and lse, and every id.
+# - forced blocks: where every forward tile holds one token (and CONFIG["forced"]'s tiles hold several: G <= 32) and
+#   the caller says the ids hold the forced blocks (forced=(n_init, n_local), as select_blocks' ids do), those
+#   blocks, which all tokens of a block share, run first as key ranges in tiles of several tokens
+#   (_sel_forced_fwd_kernel: the first n_init blocks, then the n_local up to the token's own), loading each key once
+#   per tile instead of once per token; the one-token kernel starts its online softmax from their o and lse and
+#   walks only the other ids (_free_ids), one step each. The backward is the same either way: it reads the merged o
+#   and lse, and every id.
 # - dk/dv: key-block-centric and deterministic. A stable sort of the (kv head, block) of every (token, slot) pair
 #   builds the reverse index (which (token, slot) pairs selected each block, tokens ascending) in O(NT*H*n) memory;
 #   each list is cut into chunks of CONFIG's chunk_rows query rows (shorter on short inputs, so the grid fills the
@@ -1340,10 +1341,10 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: Optional[torch
     lse = torch.empty(NT, HQ, device=q.device, dtype=torch.float32)
     kb, vb, boxes = tma_boxes(kf, vf, [c["BK"], 1, c["BD"]], [c["BK"], 1, c["BDV"]])
     grid, kw = launches[0]
-    if (n_init or n_local) and len(launches) == 1 and not kw["UNION"] and kw["M"] // c["G"] == 1:
+    M, _, cfg = _launch("forced", c["G"])
+    if (n_init or n_local) and len(launches) == 1 and not kw["UNION"] and kw["M"] // c["G"] == 1 < M // c["G"]:
         # one token a tile: first the blocks that every token of a block holds (forced), as key ranges in tiles of
         # several tokens, then the free ones, one token a tile (loading fewer bytes at no extra step)
-        M, _, cfg = _launch("forced", c["G"])
         BK = cfg.pop("keys")
         fb, fvb, f_boxes = tma_boxes(kf, vf, [BK, 1, c["BD"]], [BK, 1, c["BDV"]])
         _sel_forced_fwd_kernel[(triton.cdiv(NT, M // c["G"]), c["H"])](

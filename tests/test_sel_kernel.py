@@ -435,6 +435,21 @@ def test_forced_blocks_as_key_ranges(path, HQ, n_init, n_local, n, T, cu, dtype,
         assert not torch.equal(sel_kernel.selection_attention_triton(q, k, v, broken, 16, None, cu, g), o)
 
 
+@pytest.mark.parametrize("path", ["query"], indirect=True)
+def test_forced_blocks_only_where_a_range_tile_holds_several_tokens(path):
+    """At G = 64 a tile of CONFIG["forced"]'s rows holds one token, as the slot loop's does: the ids run as given
+    (with block 0 taken out of them o changes), still as the reference's."""
+    T, HQ = 40, 64
+    idx = forced_indices(1, T, 1, 3, 16, 1, 2, seed=5)
+    out, ref = run_both(1, T, HQ, 1, 32, 32, 3, 16, torch.float32, seed=5, idx=idx, forced=(1, 2))
+    for a, b in zip(out, ref):
+        assert rel_rmse(a, b) <= 1e-5
+    q, k, v = randn((1, T, HQ, 32), (1, T, 1, 32), (1, T, 1, 32), seed=5)
+    broken = torch.where(idx == 0, -1, idx)
+    assert not torch.equal(sel_kernel.selection_attention_triton(q, k, v, broken, 16, forced=(1, 2)),
+                           sel_kernel.selection_attention_triton(q, k, v, idx, 16, forced=(1, 2)))
+
+
 def test_query_with_no_key_gives_zero_and_minus_inf_lse(path):
     B, T, H, n, l = 1, 20, 1, 2, 16
     idx = random_indices(B, T, H, n, l, seed=8)
