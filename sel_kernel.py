@@ -15,6 +15,7 @@ from nsa_kernels import (INT_MAX, attention_op, gate_delta, gate_grad, gate_lse,
                          head_sizes, key_rows, key_tile, launch_entry, load_rows, pack, pack_gate, sequences,
                          softmax_finish, softmax_rescale, softmax_step, sort_rows, store_rows, tile_m, tile_rows,
                          tma_boxes, wide_rows)
+from nsa_kernels import _in_ranges
 from nsa_kernels import (_ws_barriers, _ws_desc, _ws_fwd_finish, _ws_load_rows, _ws_mma, _ws_store_rows,
                          fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
                          warpgroup_mma_wait)  # the warp-specialised pieces
@@ -228,8 +229,7 @@ def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, order, lst, cnt, scale_log2
             m_i, l_i, acc = _fwd_inner(b_q, k, v, m_i, l_i, acc, 0, u0, m_row, rel_u, rel_max, scale_log2, i_h,
                                        NT, H, D, DV, BD, BDV, BS, BK, BOXES)
     elif FORCED:                                          # one token a tile
-        ids, rank, n_free = _free_ids(idx, pos, i_t, i_h, NT, H, NS, BNS, BS, N_INIT, N_LOCAL)
-        rel_p = tl.max(tl.where(m_r, rel_r, -1))
+        ids, rank, n_free, rel_p = _free_ids(b_idx, rel_r, m_r, BS, N_INIT, N_LOCAL)
         for f in range(n_free):                           # the f-th free id: one step each, none wasted on the rest
             j = tl.max(tl.where(rank == f, ids, -1))
             m_i, l_i, acc = _fwd_inner(b_q, k, v, m_i, l_i, acc, j, i_t - rel_p, m_r, rel_r, rel_p, scale_log2, i_h,
@@ -245,15 +245,14 @@ def _sel_fwd_kernel(q, k, v, o, lse, gate, idx, pos, order, lst, cnt, scale_log2
 
 
 @triton.jit
-def _free_ids(idx, pos, t, i_h, NT, H: tl.constexpr, NS: tl.constexpr, BNS: tl.constexpr, BS: tl.constexpr,
-              N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
-    """Token t's ids [BNS] (cleaned: valid or -1), each one's place among its free ids (valid, not forced: neither
-    one of the first N_INIT blocks nor one of the N_LOCAL up to its own) and how many are free."""
-    o_s = tl.arange(0, BNS)
-    ids = tl.load(idx + (t.to(tl.int64) * H + i_h) * NS + o_s, mask=(o_s < NS) & (t < NT), other=-1)
-    tb = tl.load(pos + t, mask=t < NT, other=0) // BS                                 # the token's own block
-    free = (ids >= 0) & (ids >= N_INIT) & (ids <= tb - N_LOCAL)
-    return ids, tl.where(free, tl.cumsum(free.to(tl.int32), 0) - 1, -1), tl.sum(free.to(tl.int32))
+def _free_ids(b_idx, rel_r, m_r, BS: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
+    """A one-token tile's ids [BNS] (out of b_idx [M, BNS], its rows' copies, cleaned: valid or -1), each one's place
+    among its free ids (valid, not forced: neither one of the first N_INIT blocks nor one of the N_LOCAL up to its
+    own), how many are free, and the token's position (rel_r [M]: its rows')."""
+    ids = tl.max(tl.where(m_r[:, None], b_idx, -1), 0)                              # [BNS]
+    rel_p = tl.max(tl.where(m_r, rel_r, -1))
+    free = (ids >= 0) & (ids >= N_INIT) & (ids <= rel_p // BS - N_LOCAL)
+    return ids, tl.where(free, tl.cumsum(free.to(tl.int32), 0) - 1, -1), tl.sum(free.to(tl.int32)), rel_p
 
 
 @triton.jit
@@ -287,7 +286,7 @@ def _sel_forced_fwd_kernel(q, k, v, o, lse, pos, scale_log2, NT, H: tl.constexpr
         b_k, b_v = key_tile(k, v, k0, tl.where(init, a1, b1), i_h, H, D, DV, BD, BDV, BK, BOXES)
         c = k0 + tl.arange(0, BK)                                                     # [BK] key ids
         lo, hi = tl.where(init, init_lo, local_lo), tl.where(init, init_hi, local_hi)
-        m_s = m_r[:, None] & (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
+        m_s = m_r[:, None] & _in_ranges(c, lo, hi)
         b_s = tl.where(m_s, tl.dot(b_q, tl.trans(b_k)), float("-inf"))              # [M, BK]
         m_i, l_i, acc = softmax_step(b_s, scale_log2, b_v, m_i, l_i, acc)
     b_o, b_lse = softmax_finish(m_i, l_i, acc)
