@@ -834,12 +834,29 @@ def test_64bit_partial_offsets_gpu(path):
     check_long(1, 131072, 4, 4, 128, 128)
 
 
-def check_long(B, T, HQ, H, D, DV, n=16, l=64):
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["query"], indirect=True)
+def test_64bit_offsets_forced_gpu(path, monkeypatch):
+    """The forced blocks' key ranges (one token a tile at G = 16 past 32k) at 2^32-element offsets, on ids that
+    hold them as select_blocks' do."""
+    launches, kernel = [], sel_kernel._sel_forced_fwd_kernel
+    monkeypatch.setattr(sel_kernel, "_sel_forced_fwd_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: launches.append(grid) or kernel[grid]})())
+    check_long(2, 131072, 64, 4, 256, 64, forced=(1, 2))
+    assert len(launches) == 1
+
+
+def check_long(B, T, HQ, H, D, DV, n=16, l=64, forced=None):
     g = torch.Generator(device="cuda").manual_seed(12)
     q, k, v = (torch.randn(B, T, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for h, d in ((HQ, D), (H, D), (H, DV)))
-    idx = random_indices(B, T, H, n, l, seed=12, device="cuda")
+    if forced is None:
+        idx = random_indices(B, T, H, n, l, seed=12, device="cuda")
+    else:  # top n of random block scores, 8192 tokens at a time
+        t = torch.arange(T, device="cuda")[:, None]
+        idx = torch.cat([nsa_attention.top_n(torch.rand(B, 8192, H, T // l + 1, device="cuda", generator=g),
+                                             t[s:s + 8192], l, n, *forced) for s in range(0, T, 8192)], 1)
     qk = [x.clone().requires_grad_() for x in (q, k, v)]
-    o = sel_kernel.selection_attention_triton(*qk, idx, l)
+    o = sel_kernel.selection_attention_triton(*qk, idx, l, forced=forced)
     grads = torch.autograd.grad(o, qk, torch.randn_like(o))
     assert all(torch.isfinite(x).all() for x in (o, *grads))
     b, G = B - 1, HQ // H
