@@ -79,6 +79,14 @@ def path(request, monkeypatch):
     return request.param
 
 
+def spy_launches(monkeypatch, name):
+    """The grids of sel_kernel's Triton kernel `name` launched from now on, in a list that fills as they run."""
+    launches, kernel = [], getattr(sel_kernel, name)
+    monkeypatch.setattr(sel_kernel, name, type("Spy", (), {
+        "__getitem__": lambda self, grid: launches.append(grid) or kernel[grid]})())
+    return launches
+
+
 def fwd_lse(q, k, v, idx, l, cu_seqlens=None):
     """o and the saved base-2 lse (what the backward reads) of the forward op."""
     return sel_kernel.sel_attn_fwd(q, k, v, None, idx, l, q.shape[3] ** -0.5, cu_seqlens, [], 0, 0)
@@ -199,9 +207,7 @@ def test_dq_from_score_gradients_equals_recomputed(auto, monkeypatch):
     for bit (the same ds, summed over the same blocks in the same order), slot by slot and (auto at G = 16) in union
     tiles; var-length and gated. And the rule: score gradients while they take at most DS_MAX_BYTES."""
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto" if auto else "query")
-    launches, kernel = [], sel_kernel._sel_ds_dq_kernel
-    monkeypatch.setattr(sel_kernel, "_sel_ds_dq_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: launches.append(grid) or kernel[grid]})())
+    launches = spy_launches(monkeypatch, "_sel_ds_dq_kernel")
     cu = torch.tensor([0, 20, 57], dtype=torch.int32)
     HQ, n, l, D = 32, 3, 16, 16
     need = 57 * HQ * n * l * 4                       # bytes of the score gradients: fp32, one row of l' a pair row
@@ -839,9 +845,7 @@ def test_64bit_partial_offsets_gpu(path):
 def test_64bit_offsets_forced_gpu(path, monkeypatch):
     """The forced blocks' key ranges (one token a tile at G = 16 past 32k) at 2^32-element offsets, on ids that
     hold them as select_blocks' do."""
-    launches, kernel = [], sel_kernel._sel_forced_fwd_kernel
-    monkeypatch.setattr(sel_kernel, "_sel_forced_fwd_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: launches.append(grid) or kernel[grid]})())
+    launches = spy_launches(monkeypatch, "_sel_forced_fwd_kernel")
     check_long(2, 131072, 64, 4, 256, 64, forced=(1, 2))
     assert len(launches) == 1
 
