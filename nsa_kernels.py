@@ -76,10 +76,11 @@ SMALL_D = 64  # heads at most this wide (max(D, Dv)) take the "*_small_d" entrie
 DKV_CHUNK = 256  # compressed dk/dv: fewest tokens per query chunk, and the grid aims at DKV_PROGRAMS programs
 DKV_PROGRAMS = 2048
 DKV_FEW_PROGRAMS = 256  # range dk/dv grids below this (about two 4-warp programs per H100 SM) take "dkv_few"
-# Hopper (_ws_applies): the forward and dq of both range branches (not with var-length input) and the compressed
-# branch's dk/dv take the warp-specialised kernels ("range attention on Hopper" below), where they were faster or
-# tied on one H100 and one H200 (T = 8k-64k, G = 4 and 16; the window's dk/dv was slower at G = 16, so it stays
-# Triton's), as do two of sel_kernel.py's kernels; HOPPER_WS = False keeps Triton's everywhere (bench.py --hopper_ws)
+# Hopper (_ws_applies): the forward and dq of both range branches (not with var-length input) and their dk/dv take
+# the warp-specialised kernels ("range attention on Hopper" below), where they were faster or tied on one H100 and one
+# H200 (T = 8k-64k, G = 4 and 16; the window's dk/dv, since its consumers skip the steps their keys do not read, at G
+# = 2-32 on an H200, not at G = 1), as do two of sel_kernel.py's kernels; HOPPER_WS = False keeps Triton's everywhere
+# (bench.py --hopper_ws)
 HOPPER_WS = True
 # launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
 # keys per tile, window_keys = ring slots per window program, score_blocks = selection blocks per score program,
@@ -613,8 +614,10 @@ def _range_sum_chunks_kernel(dk_part, dv_part, dk, dv, NQC, NK_D, NK_DV, BE: tl.
 # too) and the base-2 lse for dk/dv, as _range_bwd_dq_kernel does (their lse and gate loaded a tile ahead, hidden behind
 # the previous tile). dk/dv: 128 keys (K/V loaded once), Q/dO tiles of 64 rows (M // G tokens, a [tokens, G, D] box)
 # over the tokens any of them reads; each step's lse and delta are loaded straight into the layout of its s^T columns
-# (loading them a step ahead was slower, RESULTS.md). The key ranges and their masks, key tiles, softmax step and end,
-# and gate terms are the Triton helpers above (_range, _in_ranges, _key_tile, softmax_rescale, softmax_finish,
+# (loading them a step ahead was slower, RESULTS.md). The window's key tiles step in a phase all programs share
+# (_ws_dkv_step), and each consumer skips the steps none of its 64 keys reads (64 tokens at either end of the tile's
+# 640; skipping the compressed branch's few was slower). The key ranges and their masks, key tiles, softmax step and
+# end, and gate terms are the Triton helpers above (_range, _in_ranges, _key_tile, softmax_rescale, softmax_finish,
 # gate_rows, gate_lse, gate_delta, gate_out), which Gluon kernels call as they are. A buffer a consumer reads with plain
 # loads (not wgmma) takes fence_async_shared before its release, or the loader's next TMA may overwrite it first. Gluon
 # does not run in the CPU interpreter: the GPU tests check these against the reference.
@@ -918,9 +921,20 @@ def _ws_range_kernel(q_desc, do_desc, o, k_desc, v_desc, lse, lse2, delta, dq, g
 
 
 @gluon.jit
+def _ws_dkv_step(j, t_start, n_steps, KIND: gl.constexpr, BT: gl.constexpr):
+    """The first token of a dk/dv program's j-th step of BT tokens (of n_steps from t_start). The window's steps go
+    round from the one whose index in the row is j modulo n_steps, so programs at work together (neighbouring key
+    tiles, which read nearly the same tokens) read each step in the same iteration, while L2 holds it, as
+    _range_bwd_dkv_kernel's do; the compressed branch's go in order."""
+    if KIND == 1:
+        return t_start + (j + n_steps - t_start // BT % n_steps) % n_steps * BT
+    return t_start + j * BT
+
+
+@gluon.jit
 def _ws_dkv_loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, qd_ready, qd_free,
                    i_h, c0, t_start, n_steps, D: gl.constexpr, DV: gl.constexpr, G: gl.constexpr, BT: gl.constexpr,
-                   STAGES: gl.constexpr):
+                   STAGES: gl.constexpr, KIND: gl.constexpr):
     for h in gl.static_range(2):                          # each consumer's 64 keys, once
         mbarrier.expect(kv_ready.index(h), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [c0 + h * 64, i_h * D], kv_ready.index(h), k_smem.index(h))
@@ -928,7 +942,7 @@ def _ws_dkv_loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_b
     for j in range(n_steps):
         s, ph = j % STAGES, (j // STAGES) & 1
         mbarrier.wait(qd_free.index(s), ph ^ 1)
-        t0 = t_start + j * BT
+        t0 = _ws_dkv_step(j, t_start, n_steps, KIND, BT)
         mbarrier.expect(qd_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [t0, i_h * G, 0], qd_ready.index(s), q_bufs.index(s))
         tma.async_copy_global_to_shared(do_desc, [t0, i_h * G, 0], qd_ready.index(s), do_bufs.index(s))
@@ -949,6 +963,7 @@ def _ws_dkv_consumer(lse, delta, dk, dv, qlo, qhi, k_smem, v_smem, q_bufs, do_bu
     b_qlo = gl.maximum(b_qlo, q0 + i_q * QCH)                                             # this program's chunk
     b_qhi = gl.minimum(b_qhi, q0 + (i_q + 1) * QCH)
     f_lo, f_hi = _read_by_all(b_qlo, b_qhi, m_k)                                          # tokens every key reads
+    a_lo, a_hi = gl.min(b_qlo, 0), gl.max(b_qhi, 0)                                       # tokens any key reads
     b_dk = gl.zeros([64, D], gl.float32, k_l)
     b_dv = gl.zeros([64, DV], gl.float32, v_l)
     # a step's M query rows are the columns of s^T, which every warp holds: their lse and delta are loaded in that
@@ -957,31 +972,35 @@ def _ws_dkv_consumer(lse, delta, dk, dv, qlo, qhi, k_smem, v_smem, q_bufs, do_bu
     mbarrier.wait(kv_ready.index(half), 0)
     for j in range(n_steps):
         s, ph = j % STAGES, (j // STAGES) & 1
-        t0 = t_start + j * BT
+        t0 = _ws_dkv_step(j, t_start, n_steps, KIND, BT)
         t_r = t0 + r // G                                                                 # [M] token of each row
         off_r = t_r.to(gl.int64) * (H * G) + i_h * G + r % G
         b_lse = gl.load(lse + off_r, mask=t_r < NT, other=0.)                             # base 2, gated
         b_delta = gl.load(delta + off_r, mask=t_r < NT, other=0.)
         mbarrier.wait(qd_ready.index(s), ph)
-        q_s = q_bufs.index(s).reshape([M, D])
-        do_s = do_bufs.index(s).reshape([M, DV])
-        zero = gl.zeros([64, M], gl.float32, s_l)
-        b_st = warpgroup_mma(k_smem.index(half), q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-        b_dpt = warpgroup_mma(v_smem.index(half), do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-        b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))                        # s^T [64 keys, M]
-        b_pt = gl.exp2(b_st * scale_log2 - b_lse[None, :])
-        masked = (t0 < f_lo) | (t0 + BT > f_hi)
-        if masked:
-            b_pt = gl.where(_in_ranges(t_r, b_qlo, b_qhi), b_pt, 0.)
-        b_dv = warpgroup_mma(gl.convert_layout(b_pt.to(q_s.dtype), gl.DotOperandLayout(0, v_l, 2)), do_s, b_dv,
-                             is_async=True)
-        b_dpt = warpgroup_mma_wait(num_outstanding=1, deps=(b_dpt,))                      # dp^T [64 keys, M]
-        b_dst = b_pt * (b_dpt - b_delta[None, :])
-        if masked:                                        # where, not 0 * dp: an unread key may hold NaN
-            b_dst = gl.where(_in_ranges(t_r, b_qlo, b_qhi), b_dst, 0.)
-        b_dk = warpgroup_mma(gl.convert_layout(b_dst.to(q_s.dtype), gl.DotOperandLayout(0, k_l, 2)), q_s, b_dk,
-                             is_async=True)
-        b_dv, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk))
+        live = True
+        if KIND == 1:                                     # the window's consumers: only the steps their keys read
+            live = (t0 + BT > a_lo) & (t0 < a_hi)
+        if live:
+            q_s = q_bufs.index(s).reshape([M, D])
+            do_s = do_bufs.index(s).reshape([M, DV])
+            zero = gl.zeros([64, M], gl.float32, s_l)
+            b_st = warpgroup_mma(k_smem.index(half), q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+            b_dpt = warpgroup_mma(v_smem.index(half), do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+            b_st = warpgroup_mma_wait(num_outstanding=1, deps=(b_st,))                        # s^T [64 keys, M]
+            b_pt = gl.exp2(b_st * scale_log2 - b_lse[None, :])
+            masked = (t0 < f_lo) | (t0 + BT > f_hi)
+            if masked:
+                b_pt = gl.where(_in_ranges(t_r, b_qlo, b_qhi), b_pt, 0.)
+            b_dv = warpgroup_mma(gl.convert_layout(b_pt.to(q_s.dtype), gl.DotOperandLayout(0, v_l, 2)), do_s, b_dv,
+                                 is_async=True)
+            b_dpt = warpgroup_mma_wait(num_outstanding=1, deps=(b_dpt,))                      # dp^T [64 keys, M]
+            b_dst = b_pt * (b_dpt - b_delta[None, :])
+            if masked:                                        # where, not 0 * dp: an unread key may hold NaN
+                b_dst = gl.where(_in_ranges(t_r, b_qlo, b_qhi), b_dst, 0.)
+            b_dk = warpgroup_mma(gl.convert_layout(b_dst.to(q_s.dtype), gl.DotOperandLayout(0, k_l, 2)), q_s, b_dk,
+                                 is_async=True)
+            b_dv, b_dk = warpgroup_mma_wait(num_outstanding=0, deps=(b_dv, b_dk))
         mbarrier.arrive(qd_free.index(s), count=1)
     p_off = i_q.to(gl.int64) * NK * H                                                     # chunk partials
     ck = gl.convert_layout(c, gl.SliceLayout(1, k_l)).to(gl.int64) * H + i_h
@@ -1020,7 +1039,7 @@ def _ws_dkv_kernel(q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, qlo, qhi
                             i_k, i_q, i_h, 1, t_start, n_steps, scale_log2, scale, NK, NT, QCH, KIND, VARLEN, SEQ_T,
                             SEQ_TK, A, BB, H, G, D, DV, BT, STAGES)),
         (_ws_dkv_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, qd_ready,
-                          qd_free, i_h, c0, t_start, n_steps, D, DV, G, BT, STAGES)),
+                          qd_free, i_h, c0, t_start, n_steps, D, DV, G, BT, STAGES, KIND)),
     ], [4, 1], [240, 24])
 
 
@@ -1717,7 +1736,8 @@ def _range_bwd(do, q, k, v, gate, o, lse, geo, lo, hi, qlo, qhi, scale):
                                                                  GATED=gate is not None)
     if NK > 0 and NT > 0:
         H = k.shape[1]
-        ws = geo["KIND"] == 0 and _ws_applies(q, k, v, do)  # 128 keys, steps of 64 rows
+        # Gluon: 128 keys, steps of 64 rows (the window's at G = 1 stays Triton's, which was faster there)
+        ws = _ws_applies(q, k, v, do) and (geo["KIND"] == 0 or HQ > H)
         M, launch = (64, dict(BN=128)) if ws else _launch_cfg("dkv", q, k, v)
         rows = 1 if geo["VARLEN"] else NK // geo["SEQ_TK"]  # key tiles stay inside a row without var-length input
         q_span = NT // rows                                 # the tokens a key's queries lie in

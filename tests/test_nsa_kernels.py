@@ -645,11 +645,11 @@ HOPPER_SHAPES = [(1, 128, False, torch.bfloat16), (2, 64, True, torch.float16), 
 @pytest.mark.parametrize("G,D,gated,dtype", HOPPER_SHAPES, ids=[f"G{G}-D{D}-{'gated' if g else 'plain'}-{str(t)[6:]}"
                                                                  for G, D, g, t in HOPPER_SHAPES])
 def test_range_hopper_gpu(G, D, gated, dtype, monkeypatch):
-    """The warp-specialised kernels against the reference, every buffer they allocate NaN-poisoned: the compressed
-    forward, dq and dk/dv and the window's forward and dq, on two rows of 2100 tokens (130 compressed keys: a 128-key
-    tile and 2 keys; at G = 1 a 128-row tile straddles the rows), queries split into token chunks, and more tiles than
-    multiprocessors at G >= 4 (each persistent program walks several), twice (bit-equal); and var-length input (where
-    the forward and dq stay Triton's) with NaN padding keys."""
+    """The warp-specialised kernels against the reference, every buffer they allocate NaN-poisoned: both branches'
+    forward, dq and dk/dv, on two rows of 2100 tokens (130 compressed keys: a 128-key tile and 2 keys; at G = 1 a
+    128-row tile straddles the rows; the window's dk/dv consumers skip steps), queries split into token chunks, and more
+    tiles than multiprocessors at G >= 4 (each persistent program walks several), twice (bit-equal); and var-length
+    input (where the forward and dq stay Triton's) with NaN padding keys."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialised kernels are Hopper's")
     q = torch.empty(1, 8, 2 * G, D, device="cuda", dtype=dtype)
@@ -661,21 +661,32 @@ def test_range_hopper_gpu(G, D, gated, dtype, monkeypatch):
             grids.append(grid)
             return kernel[grid]
 
+    kinds = []                                            # the dk/dv launches' branches
+
+    class DkvSpy:
+        def __getitem__(self, grid, kernel=nk._ws_dkv_kernel):
+            return lambda *args, **kw: kinds.append(kw["KIND"]) or kernel[grid](*args, **kw)
+
     monkeypatch.setattr(nk, "_ws_range_kernel", Spy())
+    monkeypatch.setattr(nk, "_ws_dkv_kernel", DkvSpy())
     poison_allocations(monkeypatch)
     out, ref = run_cmp(2, 2100, 2 * G, 2, D, D, 32, 16, dtype, device="cuda", seed=G + D, gated=gated)
     out_w, ref_w = run_win(2, 2100, 2 * G, 2, D, D, 512, dtype, device="cuda", seed=G + D, gated=gated)
-    monkeypatch.undo()
-    tiles = 2 * -(-4200 // (128 // G))                    # 2 kv heads x tiles of 128 // G tokens
-    assert grids == [(min(tiles, nk._sm_count(q.device)),)] * 4, grids   # forward and dq of each branch
     # a second run bit-equal: a shared buffer that a TMA load refills before the consumers have read it shows here
     again, _ = run_cmp(2, 2100, 2 * G, 2, D, D, 32, 16, dtype, device="cuda", seed=G + D, gated=gated)
-    assert all(torch.equal(a, b) for a, b in zip(out, again))
+    again_w, _ = run_win(2, 2100, 2 * G, 2, D, D, 512, dtype, device="cuda", seed=G + D, gated=gated)
+    monkeypatch.undo()
+    tiles = 2 * -(-4200 // (128 // G))                    # 2 kv heads x tiles of 128 // G tokens
+    assert grids == [(min(tiles, nk._sm_count(q.device)),)] * 8, grids   # forward and dq of each branch, twice
+    assert kinds == ([0, 1] if G > 1 else [0]) * 2, kinds                # the window's at G = 1 is Triton's
+    assert all(torch.equal(a, b) for a, b in zip(out + out_w, again + again_w))
     check(out, ref, 1e-2, CMP_NAMES + (("dgate",) if gated else ()))
     check(out_w, ref_w, 1e-2, WIN_NAMES + (("dgate",) if gated else ()))
     cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
     out, ref = run_cmp(1, 2000, 2 * G, 2, D, D, 32, 16, dtype, device="cuda", seed=G, cu=cu, gated=gated)
     check(out, ref, 1e-2, CMP_NAMES + (("dgate",) if gated else ()))
+    out, ref = run_win(1, 2000, 2 * G, 2, D, D, 512, dtype, device="cuda", seed=G, cu=cu, gated=gated)
+    check(out, ref, 1e-2, WIN_NAMES + (("dgate",) if gated else ()))
     # padding keys past cu_seqlens_cmp[-1] hold NaN, every buffer the ops allocate starts as NaN: the same o, lse and
     # dq as without the padding, dk / dv within rounding (a key tile with padding starts its token steps elsewhere, so
     # it sums them in another grouping), zero gradient at the padding, and two runs bit-identical
