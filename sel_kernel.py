@@ -32,8 +32,8 @@ from nsa_kernels import (_ws_barriers, _ws_desc, _ws_fwd_finish, _ws_load_rows, 
 #   union list instead: each block once, for the rows whose token chose it (CONFIG["fwd_union"], ["dq_union"]). A
 #   union tile costs about the length of its list, so its tokens are not neighbours but are grouped by the blocks
 #   they share, inside spans of GROUP_TILES tiles (_group_kernel). On rows longer than UNION_MAX_T tokens the union
-#   tiles split: those whose lists pass UNION_SPLIT x n run their tokens one to a tile, in a second launch (the
-#   forward's only on GPUs with less L2 cache than FWD_SPLIT_MAX_L2; on the others it runs one token a tile there).
+#   tiles split: those whose lists pass UNION_SPLIT x n run their tokens one to a tile, in a second launch; on GPUs
+#   with at least SPLIT_MAX_L2 of L2 cache, rows longer than ONE_TOKEN_T tokens run one token a tile, no union.
 # - forced blocks: where every forward tile holds one token (and CONFIG["forced"]'s tiles hold several: G <= 32) and
 #   the caller says the ids hold the forced blocks (forced=(n_init, n_local), as select_blocks' ids do), those
 #   blocks, which all tokens of a block share, run first as key ranges in tiles of several tokens
@@ -94,9 +94,9 @@ KEY_MAX_G = 8  # "auto" takes the key-centric path for G = HQ / H up to this, at
 UNION_MAX_T = dict(fwd=32768, dq=8192)  # and at G = 16 the forward / dq in union tiles (RESULTS.md); on rows of
 #                                          more than so many tokens, union tiles that list more than
 UNION_SPLIT = dict(fwd=3.0, dq=2.0)  # so many n blocks run one token a tile instead, in a second launch
-FWD_SPLIT_MAX_L2 = 56 * 2 ** 20  # the forward splits so only on GPUs with less L2 cache than this (an H100's 50 MB);
-#                                  with more (an H200's 60 MB) it runs one token a tile there, which was faster at
-#                                  64k on random and trained ids alike (RESULTS.md)
+SPLIT_MAX_L2 = 56 * 2 ** 20  # GPUs with at least this much L2 cache (an H200's 60 MB, not an H100's 50) run the
+ONE_TOKEN_T = dict(fwd=32768, dq=57344)  # forward / dq one token a tile on rows longer than this, no union tiles:
+#                                          faster there on random and trained ids alike (RESULTS.md)
 GROUP_TILES = 16  # union tiles: their tokens are grouped by shared blocks inside spans of this many tiles
 GROUP_WORDS = 8  # and a token's blocks a bitmask of at most this many 32-bit words (exact up to 16k tokens at l' 64)
 
@@ -1108,10 +1108,11 @@ def _query_launch(name, G, T, width, device):
     M // G tokens, and union tiles need more than one. Under "auto" the forward and dq at G = 16 with heads up to 128
     wide (the measured shape) take CONFIG["fwd_union"] / ["dq_union"], where tokens share enough blocks that loading
     each once per tile pays; on rows of more than UNION_MAX_T[name] tokens they keep them only where their lists are
-    short (cfg["split"] = UNION_SPLIT[name], see _query_launches), the forward only below FWD_SPLIT_MAX_L2."""
+    short (cfg["split"] = UNION_SPLIT[name], see _query_launches), and past ONE_TOKEN_T[name] on GPUs with at least
+    SPLIT_MAX_L2 of L2 cache not at all."""
     auto = CONFIG["path"] == "auto" and G == 16 and width <= 128
-    long_fwd = name == "fwd" and T > UNION_MAX_T[name] and _l2_bytes(device) >= FWD_SPLIT_MAX_L2
-    M, union, cfg = _launch(name + "_union" if auto and not long_fwd else name, G)
+    one_token = T > ONE_TOKEN_T[name] and _l2_bytes(device) >= SPLIT_MAX_L2
+    M, union, cfg = _launch(name + "_union" if auto and not one_token else name, G)
     if union and auto and T > UNION_MAX_T[name]:
         cfg["split"] = UNION_SPLIT[name]
     return M, union, cfg

@@ -608,7 +608,7 @@ def test_auto_rule_and_bad_path(monkeypatch):
 def test_auto_union_rule(monkeypatch):
     """Under "auto" the forward and dq at G = 16 run union tiles (CONFIG["fwd_union"], ["dq_union"], several tokens a
     tile) with heads up to 128 wide, on rows of more than UNION_MAX_T[kernel] tokens split by list length
-    (UNION_SPLIT[kernel]; the forward's only with less L2 cache than FWD_SPLIT_MAX_L2, else one token a tile);
+    (UNION_SPLIT[kernel]), and with at least SPLIT_MAX_L2 of L2 cache one token a tile past ONE_TOKEN_T[kernel];
     other G, wider heads and the "query" path keep one token a tile. And the selection under "auto" at G = 16
     matches the reference."""
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto")
@@ -623,16 +623,18 @@ def test_auto_union_rule(monkeypatch):
                 assert union and cfg["split"] == sel_kernel.UNION_SPLIT[name]
             else:
                 assert not union and M // G == 1, (name, G, t, width)
-    # with an L2 cache of FWD_SPLIT_MAX_L2 or more, the forward on longer rows runs one token a tile; the dq splits
+    # with an L2 cache of SPLIT_MAX_L2 or more, rows longer than ONE_TOKEN_T run one token a tile; up to it they keep
+    # union tiles (split past UNION_MAX_T); with less they split at every length past UNION_MAX_T
     l2 = sel_kernel._l2_bytes
-    monkeypatch.setattr(sel_kernel, "_l2_bytes", lambda device: sel_kernel.FWD_SPLIT_MAX_L2)
     for name in ("fwd", "dq"):
-        assert sel_kernel._query_launch(name, 16, sel_kernel.UNION_MAX_T[name], 128, cpu)[1], name
-    M, union, cfg = sel_kernel._query_launch("fwd", 16, sel_kernel.UNION_MAX_T["fwd"] + 1, 128, cpu)
-    assert not union and M == 16 and "split" not in cfg
-    assert sel_kernel._query_launch("dq", 16, sel_kernel.UNION_MAX_T["dq"] + 1, 128, cpu)[2]["split"]
-    monkeypatch.setattr(sel_kernel, "_l2_bytes", lambda device: sel_kernel.FWD_SPLIT_MAX_L2 - 1)
-    assert sel_kernel._query_launch("fwd", 16, sel_kernel.UNION_MAX_T["fwd"] + 1, 128, cpu)[2]["split"]
+        T = sel_kernel.ONE_TOKEN_T[name]
+        monkeypatch.setattr(sel_kernel, "_l2_bytes", lambda device: sel_kernel.SPLIT_MAX_L2)
+        M, union, cfg = sel_kernel._query_launch(name, 16, T, 128, cpu)
+        assert union and ("split" in cfg) == (T > sel_kernel.UNION_MAX_T[name]), name
+        M, union, cfg = sel_kernel._query_launch(name, 16, T + 1, 128, cpu)
+        assert not union and M == 16 and "split" not in cfg, name
+        monkeypatch.setattr(sel_kernel, "_l2_bytes", lambda device: sel_kernel.SPLIT_MAX_L2 - 1)
+        assert sel_kernel._query_launch(name, 16, T + 1, 128, cpu)[2]["split"] == sel_kernel.UNION_SPLIT[name], name
     monkeypatch.setattr(sel_kernel, "_l2_bytes", l2)
     out, ref = run_both(1, 70, 32, 2, 16, 16, 3, 16, torch.float32, seed=21, gated=True)
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
@@ -646,7 +648,9 @@ def test_auto_union_rule(monkeypatch):
     run_both(2, 40, 32, 2, 16, 16, 3, 16, torch.float32, seed=21)
     assert len(built) == 1
     # longer rows with a large L2: the forward runs one token a tile (one launch), the dq builds its own union tiles
-    monkeypatch.setattr(sel_kernel, "_l2_bytes", lambda device: sel_kernel.FWD_SPLIT_MAX_L2)
+    # (it goes one token a tile from longer rows), and then neither builds any
+    monkeypatch.setattr(sel_kernel, "_l2_bytes", lambda device: sel_kernel.SPLIT_MAX_L2)
+    monkeypatch.setattr(sel_kernel, "ONE_TOKEN_T", dict(fwd=64, dq=128))
     fwd_union, kernel = [], sel_kernel._sel_fwd_kernel
     monkeypatch.setattr(sel_kernel, "_sel_fwd_kernel", type("Spy", (), {"__getitem__": lambda self, grid: (
         lambda *a, **kw: fwd_union.append(kw["UNION"]) or kernel[grid](*a, **kw))})())
@@ -655,6 +659,12 @@ def test_auto_union_rule(monkeypatch):
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
         assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
     assert fwd_union == [False] and len(built) == 1
+    monkeypatch.setattr(sel_kernel, "ONE_TOKEN_T", dict(fwd=64, dq=64))
+    built.clear()
+    out, ref = run_both(1, 70, 32, 2, 16, 16, 3, 16, torch.float32, seed=23, gated=True)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
+        assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
+    assert not built
 
 
 def test_dkv_cfg_by_path_head_width_and_dtype(monkeypatch):
@@ -790,7 +800,7 @@ def test_union_split_gated_gpu(split, monkeypatch):
     monkeypatch.setattr(sel_kernel, "DS_MAX_BYTES", 0)
     monkeypatch.setattr(sel_kernel, "UNION_MAX_T", dict(fwd=16, dq=16))
     monkeypatch.setattr(sel_kernel, "UNION_SPLIT", dict(fwd=split, dq=split))
-    monkeypatch.setattr(sel_kernel, "FWD_SPLIT_MAX_L2", float("inf"))          # the forward splits on any GPU
+    monkeypatch.setattr(sel_kernel, "SPLIT_MAX_L2", float("inf"))          # the forward splits on any GPU
     cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
     out, ref = run_both(1, 2000, 64, 4, 128, 128, 16, 64, torch.bfloat16, device="cuda", cu_seqlens=cu, gated=True)
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
@@ -929,7 +939,7 @@ def test_hopper_gpu(path, G, D, ds, monkeypatch):
     if path == "auto-split":
         monkeypatch.setattr(sel_kernel, "UNION_MAX_T", dict(fwd=16, dq=16))
         monkeypatch.setattr(sel_kernel, "UNION_SPLIT", dict(fwd=0.5, dq=0.5))
-        monkeypatch.setattr(sel_kernel, "FWD_SPLIT_MAX_L2", float("inf"))
+        monkeypatch.setattr(sel_kernel, "SPLIT_MAX_L2", float("inf"))
     monkeypatch.setitem(sel_kernel.CONFIG, "path", path.split("-")[0])
     if not ds:
         monkeypatch.setattr(sel_kernel, "DS_MAX_BYTES", 0)
