@@ -78,9 +78,9 @@ DKV_PROGRAMS = 2048
 DKV_FEW_PROGRAMS = 256  # range dk/dv grids below this (about two 4-warp programs per H100 SM) take "dkv_few"
 # Hopper (_ws_applies): the forward and dq of both range branches (not with var-length input) and their dk/dv take
 # the warp-specialised kernels ("range attention on Hopper" below), where they were faster or tied on one H100 and one
-# H200 (T = 8k-64k, G = 4 and 16; the window's dk/dv, since its consumers skip the steps their keys do not read, at G
-# = 2-32 on an H200, not at G = 1), as do two of sel_kernel.py's kernels; HOPPER_WS = False keeps Triton's everywhere
-# (bench.py --hopper_ws)
+# H200 (T = 8k-64k, G = 4 and 16; the window's dk/dv, whose consumers skip the steps their keys do not read, from
+# G = 2 on an H200: slower at G = 1), as do two of sel_kernel.py's kernels; HOPPER_WS = False keeps Triton's
+# everywhere (bench.py --hopper_ws)
 HOPPER_WS = True
 # launch settings of the decode kernels: programs = split-K target of the compressed kernel, cmp_keys = compressed
 # keys per tile, window_keys = ring slots per window program, score_blocks = selection blocks per score program,

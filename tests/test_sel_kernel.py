@@ -800,7 +800,7 @@ def test_union_split_gated_gpu(split, monkeypatch):
     monkeypatch.setattr(sel_kernel, "DS_MAX_BYTES", 0)
     monkeypatch.setattr(sel_kernel, "UNION_MAX_T", dict(fwd=16, dq=16))
     monkeypatch.setattr(sel_kernel, "UNION_SPLIT", dict(fwd=split, dq=split))
-    monkeypatch.setattr(sel_kernel, "SPLIT_MAX_L2", float("inf"))          # the forward splits on any GPU
+    monkeypatch.setattr(sel_kernel, "SPLIT_MAX_L2", float("inf"))              # both split on any GPU
     cu = torch.tensor([0, 300, 300, 1111, 2000], dtype=torch.int32, device="cuda")
     out, ref = run_both(1, 2000, 64, 4, 128, 128, 16, 64, torch.bfloat16, device="cuda", cu_seqlens=cu, gated=True)
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
