@@ -402,6 +402,15 @@ def test_select_blocks_varlen():
     assert torch.equal(idx, ref)
 
 
+def spy_launches(monkeypatch, module, name):
+    """The (grid, keyword arguments) of each launch of `module`'s kernel `name` from now on, in a list that fills as
+    they run."""
+    launches, kernel = [], getattr(module, name)
+    monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda self, grid: (
+        lambda *args, **kw: launches.append((grid, kw)) or kernel[grid](*args, **kw))})())
+    return launches
+
+
 def poison_allocations(monkeypatch):
     """From here on every buffer torch.empty / empty_like allocates starts as NaN (ints as -2^30, or their most
     negative value where narrower)."""
@@ -654,21 +663,8 @@ def test_range_hopper_gpu(G, D, gated, dtype, monkeypatch):
         pytest.skip("the warp-specialised kernels are Hopper's")
     q = torch.empty(1, 8, 2 * G, D, device="cuda", dtype=dtype)
     assert nk._ws_applies(nk.pack(q), q[0, :, :2], q[0, :, :2])
-    grids = []                                            # the persistent forward / dq launches
-
-    class Spy:
-        def __getitem__(self, grid, kernel=nk._ws_range_kernel):
-            grids.append(grid)
-            return kernel[grid]
-
-    kinds = []                                            # the dk/dv launches' branches
-
-    class DkvSpy:
-        def __getitem__(self, grid, kernel=nk._ws_dkv_kernel):
-            return lambda *args, **kw: kinds.append(kw["KIND"]) or kernel[grid](*args, **kw)
-
-    monkeypatch.setattr(nk, "_ws_range_kernel", Spy())
-    monkeypatch.setattr(nk, "_ws_dkv_kernel", DkvSpy())
+    ranges = spy_launches(monkeypatch, nk, "_ws_range_kernel")       # the persistent forward / dq launches
+    dkv = spy_launches(monkeypatch, nk, "_ws_dkv_kernel")
     poison_allocations(monkeypatch)
     out, ref = run_cmp(2, 2100, 2 * G, 2, D, D, 32, 16, dtype, device="cuda", seed=G + D, gated=gated)
     out_w, ref_w = run_win(2, 2100, 2 * G, 2, D, D, 512, dtype, device="cuda", seed=G + D, gated=gated)
@@ -677,7 +673,9 @@ def test_range_hopper_gpu(G, D, gated, dtype, monkeypatch):
     again_w, _ = run_win(2, 2100, 2 * G, 2, D, D, 512, dtype, device="cuda", seed=G + D, gated=gated)
     monkeypatch.undo()
     tiles = 2 * -(-4200 // (128 // G))                    # 2 kv heads x tiles of 128 // G tokens
+    grids = [grid for grid, _ in ranges]
     assert grids == [(min(tiles, nk._sm_count(q.device)),)] * 8, grids   # forward and dq of each branch, twice
+    kinds = [kw["KIND"] for _, kw in dkv]
     assert kinds == ([0, 1] if G > 1 else [0]) * 2, kinds                # the window's at G = 1 is Triton's
     assert all(torch.equal(a, b) for a, b in zip(out + out_w, again + again_w))
     check(out, ref, 1e-2, CMP_NAMES + (("dgate",) if gated else ()))

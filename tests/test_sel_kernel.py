@@ -9,7 +9,7 @@ import torch
 import nsa_attention
 import nsa_kernels
 import sel_kernel
-from test_nsa_kernels import gate_grads, poison_allocations, with_gate
+from test_nsa_kernels import gate_grads, poison_allocations, spy_launches, with_gate
 
 CUDA = torch.cuda.is_available()
 
@@ -34,13 +34,17 @@ def rel_rmse(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def forced_indices(B, T, H, n, sel_block, n_init, n_local, seed=0, cu_seqlens=None):
-    """Ids as select_blocks makes them (top_n of random block scores): the forced blocks always among them."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    t = nsa_attention.positions(cu_seqlens, T, "cpu")
+def forced_indices(B, T, H, n, sel_block, n_init, n_local, seed=0, cu_seqlens=None, device="cpu"):
+    """Ids as select_blocks makes them (top_n of random block scores, 8192 tokens at a time): the forced blocks
+    always among them."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    t = nsa_attention.positions(cu_seqlens, T, device)
     t = t.expand(B, T) if cu_seqlens is None else t[None]
-    score = torch.rand(B, T, H, T // sel_block + 1, generator=g)
-    return nsa_attention.top_n(score, t[..., None], sel_block, n, n_init, n_local)
+    parts = []
+    for ts in t.split(8192, 1):                                                # (B, <= 8192) positions
+        score = torch.rand(B, ts.shape[1], H, T // sel_block + 1, generator=g, device=device)
+        parts.append(nsa_attention.top_n(score, ts[..., None], sel_block, n, n_init, n_local))
+    return torch.cat(parts, 1)
 
 
 def run_both(B, T, HQ, H, D, DV, n, sel_block, dtype, device="cpu", seed=0, cu_seqlens=None, idx=None, gated=False,
@@ -77,14 +81,6 @@ def path(request, monkeypatch):
         for name in ("key_bwd", "key_bwd_small_d"):
             monkeypatch.setitem(sel_kernel.CONFIG, name, dict(sel_kernel.CONFIG[name], rows=16, chunk_rows=32))
     return request.param
-
-
-def spy_launches(monkeypatch, name):
-    """The grids of sel_kernel's Triton kernel `name` launched from now on, in a list that fills as they run."""
-    launches, kernel = [], getattr(sel_kernel, name)
-    monkeypatch.setattr(sel_kernel, name, type("Spy", (), {
-        "__getitem__": lambda self, grid: launches.append(grid) or kernel[grid]})())
-    return launches
 
 
 def fwd_lse(q, k, v, idx, l, cu_seqlens=None):
@@ -207,7 +203,7 @@ def test_dq_from_score_gradients_equals_recomputed(auto, monkeypatch):
     for bit (the same ds, summed over the same blocks in the same order), slot by slot and (auto at G = 16) in union
     tiles; var-length and gated. And the rule: score gradients while they take at most DS_MAX_BYTES."""
     monkeypatch.setitem(sel_kernel.CONFIG, "path", "auto" if auto else "query")
-    launches = spy_launches(monkeypatch, "_sel_ds_dq_kernel")
+    launches = spy_launches(monkeypatch, sel_kernel, "_sel_ds_dq_kernel")
     cu = torch.tensor([0, 20, 57], dtype=torch.int32)
     HQ, n, l, D = 32, 3, 16, 16
     need = 57 * HQ * n * l * 4                       # bytes of the score gradients: fp32, one row of l' a pair row
@@ -651,14 +647,12 @@ def test_auto_union_rule(monkeypatch):
     # (it goes one token a tile from longer rows), and then neither builds any
     monkeypatch.setattr(sel_kernel, "_l2_bytes", lambda device: sel_kernel.SPLIT_MAX_L2)
     monkeypatch.setattr(sel_kernel, "ONE_TOKEN_T", dict(fwd=64, dq=128))
-    fwd_union, kernel = [], sel_kernel._sel_fwd_kernel
-    monkeypatch.setattr(sel_kernel, "_sel_fwd_kernel", type("Spy", (), {"__getitem__": lambda self, grid: (
-        lambda *a, **kw: fwd_union.append(kw["UNION"]) or kernel[grid](*a, **kw))})())
+    fwd_launches = spy_launches(monkeypatch, sel_kernel, "_sel_fwd_kernel")
     built.clear()
     out, ref = run_both(1, 70, 32, 2, 16, 16, 3, 16, torch.float32, seed=22, gated=True)
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), out, ref):
         assert torch.isfinite(a).all() and rel_rmse(a, b) <= 1e-5, f"{name}: rel RMSE {rel_rmse(a, b):.2e}"
-    assert fwd_union == [False] and len(built) == 1
+    assert [kw["UNION"] for _, kw in fwd_launches] == [False] and len(built) == 1
     monkeypatch.setattr(sel_kernel, "ONE_TOKEN_T", dict(fwd=64, dq=64))
     built.clear()
     out, ref = run_both(1, 70, 32, 2, 16, 16, 3, 16, torch.float32, seed=23, gated=True)
@@ -855,7 +849,7 @@ def test_64bit_partial_offsets_gpu(path):
 def test_64bit_offsets_forced_gpu(path, monkeypatch):
     """The forced blocks' key ranges (one token a tile at G = 16 past 32k) at 2^32-element offsets, on ids that
     hold them as select_blocks' do."""
-    launches = spy_launches(monkeypatch, "_sel_forced_fwd_kernel")
+    launches = spy_launches(monkeypatch, sel_kernel, "_sel_forced_fwd_kernel")
     check_long(2, 131072, 64, 4, 256, 64, forced=(1, 2))
     assert len(launches) == 1
 
@@ -863,12 +857,8 @@ def test_64bit_offsets_forced_gpu(path, monkeypatch):
 def check_long(B, T, HQ, H, D, DV, n=16, l=64, forced=None):
     g = torch.Generator(device="cuda").manual_seed(12)
     q, k, v = (torch.randn(B, T, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for h, d in ((HQ, D), (H, D), (H, DV)))
-    if forced is None:
-        idx = random_indices(B, T, H, n, l, seed=12, device="cuda")
-    else:  # top n of random block scores, 8192 tokens at a time
-        t = torch.arange(T, device="cuda")[:, None]
-        idx = torch.cat([nsa_attention.top_n(torch.rand(B, 8192, H, T // l + 1, device="cuda", generator=g),
-                                             t[s:s + 8192], l, n, *forced) for s in range(0, T, 8192)], 1)
+    idx = random_indices(B, T, H, n, l, seed=12, device="cuda") if forced is None else \
+        forced_indices(B, T, H, n, l, *forced, seed=12, device="cuda")
     qk = [x.clone().requires_grad_() for x in (q, k, v)]
     o = sel_kernel.selection_attention_triton(*qk, idx, l, forced=forced)
     grads = torch.autograd.grad(o, qk, torch.randn_like(o))
